@@ -1,0 +1,179 @@
+"""The inner loop of a fast level: its update rule stepped over a stream of context items.
+
+Given a level, its fast state (leading dims ``(B, H)``) and the context its owner produced,
+``run`` returns the reads ``o (B, T, H, d_v)`` and the final state. The *generic* path needs no
+code per rule: for each memory (vmapped over batch and heads) it runs
+
+* an outer ``lax.scan`` over blocks of ``chunk`` tokens, each block under ``jax.checkpoint``
+  (the backward pass stores one state per block, not per token), optionally cutting gradients
+  every ``truncate`` tokens;
+* inside a block, a scan over the level's update chunks of ``every`` tokens: the gradients of
+  the objective for every token of the chunk are taken at the chunk-start state ``theta_s``
+  (``jax.vmap(jax.grad(objective))``, mini-batch semantics), then the rule is stepped token by
+  token on those gradients:
+
+      theta'_t = a_t theta_{t-1}                 (retention gate, if the rule has one)
+      g_t      = grad L(a_t theta_s; item_t)
+      theta_t  = theta'_t + rule(g_t, gates_t)
+      o_t      = f_{theta_t}(q_t)                (or f_{theta_s}(q_t) with read="chunk_start")
+
+With ``every=1``, ``theta_s = theta_{t-1}`` and this is the online per-token definition.
+Sequences whose length is not a multiple of the block are padded with inert tokens (masked:
+the state does not change). A level with a ``fast`` form runs that instead unless
+``generic=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nested.level import Level, LevelState
+
+DEFAULT_BLOCK_TOKENS = 64
+
+
+class Context(NamedTuple):
+    """What the owner produces for a fast level: arrays ``(B, T, H, ...)``.
+
+    ``k (B, T, H, d_k)``, ``v (B, T, H, d_v)``, ``q (B, T, H, d_k)``; ``gates`` maps each gate
+    name of the level to ``(B, T, H)``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    q: jax.Array
+    gates: dict[str, jax.Array]
+
+
+def initial_state(level: Level, params: Any, cache: Any = None) -> LevelState:
+    """A level's state at the start of a stream from memory ``params`` with leading (B, H)."""
+    opt_state = jax.vmap(jax.vmap(level.rule.transform.init))(params)
+    return LevelState(params, opt_state, cache, level.name)
+
+
+def check_context(level: Level, ctx: Context) -> None:
+    """Raise ValueError naming the level and field when the context does not fit the memory."""
+    where = f"level {level.name!r}"
+    if ctx.k.ndim != 4:
+        raise ValueError(f"{where}: context k must be (B, T, H, d_k), got shape {ctx.k.shape}")
+    lead = ctx.k.shape[:3]
+    expect = {"k": level.memory.d_k, "q": level.memory.d_k, "v": level.memory.d_v}
+    for field, dim in expect.items():
+        shape = getattr(ctx, field).shape
+        if shape != (*lead, dim):
+            raise ValueError(
+                f"{where}: context {field} has shape {shape}, the memory needs {(*lead, dim)}"
+            )
+    missing = set(level.gates) - set(ctx.gates)
+    if missing:
+        raise ValueError(f"{where}: the owner emits no gate(s) {sorted(missing)}")
+    for name in level.gates:
+        if ctx.gates[name].shape != lead:
+            raise ValueError(
+                f"{where}: gate {name!r} has shape {ctx.gates[name].shape}, expected {lead}"
+            )
+
+
+def block_tokens(level: Level) -> int:
+    """Tokens per rematerialised block: ``level.chunk`` or the default, a multiple of every
+    that divides ``truncate`` when the level truncates."""
+    block = level.chunk or max(1, -(-DEFAULT_BLOCK_TOKENS // level.every)) * level.every
+    return block if level.truncate is None else math.gcd(block, level.truncate)
+
+
+def run(level: Level, state: LevelState, ctx: Context, *, generic: bool = False):
+    """Run a fast level over a sequence. Returns ``(o (B, T, H, d_v), final state)``."""
+    check_context(level, ctx)
+    if level.fast is not None and not generic:
+        return level.fast(level, state, ctx)
+    return run_generic(level, state, ctx)
+
+
+def _select(mask, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
+
+
+def _chunk_step(level: Level, carry, chunk):
+    """One update chunk of ``every`` tokens for one memory."""
+    rule, memory = level.rule, level.memory
+    params_start, _ = carry
+    items, mask = chunk
+
+    def retained(params, item):
+        if rule.retain is None:
+            return params
+        a = item[rule.retain]
+        return jax.tree.map(lambda p: a * p, params)
+
+    def grad(item):  # gradient at the retained chunk-start state
+        params = retained(params_start, item)
+        return jax.grad(lambda p: level.objective(memory, p, item))(params)
+
+    grads = jax.vmap(grad)(items)
+
+    def token(carry, inputs):
+        params, opt_state = carry
+        grad, item, valid = inputs
+        gates = {name: item[name] for name in rule.gates}
+        new_params = retained(params, item)
+        updates, new_opt = rule.transform.update(grad, opt_state, new_params, **gates)
+        new_params = optax.apply_updates(new_params, updates)
+        params, opt_state = _select(valid, (new_params, new_opt), (params, opt_state))
+        read_params = params if level.read == "after_write" else params_start
+        return (params, opt_state), memory.apply(read_params, item["q"])
+
+    return jax.lax.scan(token, carry, (grads, items, mask))
+
+
+def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block: int):
+    """The generic inner loop for one memory: ``items`` leaves are ``(T_padded, ...)``."""
+    every = level.every
+    per_block = block // every
+
+    def reshape(x):
+        return x.reshape(n_blocks, per_block, every, *x.shape[1:])
+
+    blocks = jax.tree.map(reshape, (items, mask))
+
+    @jax.checkpoint
+    def block_step(carry, block_inputs):
+        return jax.lax.scan(lambda c, x: _chunk_step(level, c, x), carry, block_inputs)
+
+    cut_every = None if level.truncate is None else level.truncate // block
+
+    def outer(carry, inputs):
+        index, block_inputs = inputs
+        if cut_every is not None:
+            cut = (index > 0) & (index % cut_every == 0)
+            carry = jax.tree.map(lambda x: jnp.where(cut, jax.lax.stop_gradient(x), x), carry)
+        return block_step(carry, block_inputs)
+
+    (params, opt_state), o = jax.lax.scan(
+        outer, (params, opt_state), (jnp.arange(n_blocks), blocks)
+    )
+    return o.reshape(n_blocks * block, -1), params, opt_state
+
+
+def run_generic(level: Level, state: LevelState, ctx: Context):
+    """The rule-agnostic inner loop (see the module docstring)."""
+    B, T, H, _ = ctx.k.shape
+    block = block_tokens(level)
+    n_blocks = -(-T // block)
+    pad = n_blocks * block - T
+    items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
+    items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
+    mask = jnp.arange(T + pad) < T
+    # (B, T, H, ...) -> (B, H, T, ...) so that vmaps over B then H see one memory's stream.
+    items = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items)
+
+    def one(params, opt_state, items):
+        return _run_one(level, params, opt_state, items, mask, n_blocks, block)
+
+    o, params, opt_state = jax.vmap(jax.vmap(one))(state.params, state.opt_state, items)
+    o = jnp.moveaxis(o, 1, 2)[:, :T]
+    return o, state.replace(params=params, opt_state=opt_state)

@@ -1,0 +1,130 @@
+"""Token-mixing layers whose memory is a fast level (Flax NNX).
+
+:class:`MemoryLayer` is the owner side of a fast level: it holds the slow parameters that
+produce the level's context (query/key/value and gate projections, an optional short causal
+convolution) and the level's learned initial state ``theta_0``, runs the level's inner loop
+over the sequence, and maps the reads back to the model width. Everything it holds is trained
+by the outer level through the inner loop.
+
+Layers are pure with respect to fast state: ``layer(x, state) -> (y, state)``, where ``state``
+is a :class:`nested.level.LevelState` with leading ``(B, H)`` dims; ``layer.initial_state(B)``
+builds the state a sequence starts from (differentiable in ``theta_0``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested import inner
+from nested.level import Level, LevelState
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal convolution over time, ``y_t = silu(sum_i w_i * x_{t-i})``.
+
+    ``x (B, T, F)``; the cache holds the last ``width - 1`` inputs ``(B, width - 1, F)`` so a
+    sequence processed in pieces gives the same result as in one call.
+    """
+
+    def __init__(self, features: int, width: int, *, rngs: nnx.Rngs):
+        self.width = width
+        init = jax.random.normal(rngs.params(), (width, features)) / width
+        self.kernel = nnx.Param(init.at[-1].add(1.0))  # start near the identity
+
+    def initial_cache(self, batch_size: int) -> jax.Array:
+        return jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), self.kernel.dtype)
+
+    def __call__(self, x: jax.Array, cache: jax.Array) -> tuple[jax.Array, jax.Array]:
+        T = x.shape[1]
+        padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+        kernel = self.kernel[...].astype(x.dtype)
+        y = sum(kernel[None, None, i] * padded[:, i : i + T] for i in range(self.width))
+        return jax.nn.silu(y), padded[:, T:]
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class MemoryLayer(nnx.Module):
+    """A sequence mixer whose memory is the fast level ``level`` (one memory per head).
+
+    Context: ``k_t = W_k x_t``, ``v_t = W_v x_t``, ``q_t = W_q x_t`` per head (after an optional
+    short causal convolution, keys and queries L2-normalised by default) and one projection
+    per gate of the level (``(B, T, H)``, in the gate's range by construction). Output:
+    ``y_t = W_o [norm(o_t) * sigmoid(W_g x_t)]`` with ``o_t`` the level's read of ``q_t``.
+
+    Args:
+      level: the fast level (its memory fixes ``d_k``, ``d_v``).
+      dim: model width; heads: number of memories.
+      conv: width of the short causal convolution on q, k, v (0 disables it).
+      normalize_keys: L2-normalise keys and queries per head (needed by the delta family).
+      output_gate: multiply the normalised reads by a sigmoid gate of the input.
+    """
+
+    def __init__(
+        self,
+        level: Level,
+        *,
+        dim: int,
+        heads: int,
+        rngs: nnx.Rngs,
+        conv: int = 4,
+        normalize_keys: bool = True,
+        output_gate: bool = True,
+    ):
+        if level.is_outer:
+            raise ValueError(f"level {level.name!r} is the outermost level, not a fast level")
+        self.level = level
+        self.heads = heads
+        self.normalize_keys = normalize_keys
+        d_k, d_v = level.memory.d_k, level.memory.d_v
+        linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, rngs=rngs, **kw)
+        self.qkv = linear(dim, heads * (2 * d_k + d_v), use_bias=False)
+        self.conv = ShortConv(heads * (2 * d_k + d_v), conv, rngs=rngs) if conv > 1 else None
+        self.gates = nnx.Dict(
+            {
+                name: linear(dim, heads, bias_init=nnx.initializers.constant(gate.bias()))
+                for name, gate in level.gates.items()
+            }
+        )
+        keys = jax.random.split(rngs.params(), heads)
+        self.initial_params = nnx.Param(jax.vmap(level.memory.init)(keys))
+        self.norm = nnx.RMSNorm(d_v, rngs=rngs)
+        self.gate_out = linear(dim, heads * d_v) if output_gate else None
+        self.out = linear(heads * d_v, dim, use_bias=False)
+
+    def initial_state(self, batch_size: int) -> LevelState:
+        """The state a sequence starts from: the learned ``theta_0`` for every batch element."""
+        params = jax.tree.map(
+            lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), self.initial_params.get_value()
+        )
+        cache = None if self.conv is None else self.conv.initial_cache(batch_size)
+        return inner.initial_state(self.level, params, cache)
+
+    def context(self, x: jax.Array, cache):
+        """Project ``x (B, T, dim)`` to the level's context; returns ``(Context, cache)``."""
+        B, T, _ = x.shape
+        d_k, d_v = self.level.memory.d_k, self.level.memory.d_v
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv, cache = self.conv(qkv, cache)
+        qkv = qkv.reshape(B, T, self.heads, 2 * d_k + d_v)
+        q, k, v = jnp.split(qkv, [d_k, 2 * d_k], axis=-1)
+        if self.normalize_keys:
+            q, k = l2_normalize(q), l2_normalize(k)
+        gates = {
+            name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
+        }
+        return inner.Context(k=k, v=v, q=q, gates=gates), cache
+
+    def __call__(self, x: jax.Array, state: LevelState) -> tuple[jax.Array, LevelState]:
+        B, T, _ = x.shape
+        ctx, cache = self.context(x, state.cache)
+        o, state = inner.run(self.level, state, ctx)
+        o = self.norm(o)
+        if self.gate_out is not None:
+            o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)
+        return self.out(o.reshape(B, T, -1)), state.replace(cache=cache)

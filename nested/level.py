@@ -1,0 +1,136 @@
+"""``Level``: the declaration of one optimisation problem of a nested system.
+
+A level (Nested Learning, Definition 3) is an objective ``L``, a context ``C`` (the stream it
+learns from), a parameter set ``Theta`` and an update frequency. Here:
+
+* ``memory``: the parameter set and its read ``f_theta(k)`` (:mod:`nested.memories`); for the
+  outermost level, a factory ``rngs -> flax.nnx.Module`` building the whole model;
+* ``objective``: the local loss of one context item (:mod:`nested.objectives`), or for the
+  outermost level the outer loss ``(logits, batch) -> (loss, metrics)``;
+* ``update``: the update rule, an optax transformation, with data-dependent gates for fast
+  levels (:mod:`nested.rules`);
+* ``every``: the update period in tokens of the stream: 1 updates at each token; ``C`` once
+  per chunk of ``C`` tokens with mini-batch semantics (all gradients of a chunk are taken at the
+  chunk-start state; token ``t`` reads the state after the chunk's updates up to ``t``);
+  ``"step"`` marks the outermost level, updated once per training step;
+* ``persist``: ``"sequence"`` resets the fast state to its learned initial value at every
+  sequence; ``"stream"`` carries it across sequences (and sessions).
+
+Levels are frozen and hashable, so they can be static arguments of jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import optax
+from flax import struct
+
+from nested.rules import Gate, UpdateRule, as_rule
+
+PERSIST = ("sequence", "stream")
+READS = ("after_write", "chunk_start")
+RESERVED_ITEM_KEYS = ("k", "v", "q")
+
+
+@struct.dataclass
+class LevelState:
+    """The fast state of one memory instance of a level, with leading ``(B, H)`` dims.
+
+    ``params``: the memory parameters; ``opt_state``: the update rule's state (momentum...);
+    ``cache``: other per-stream state the owner layer keeps with it (e.g. a convolution's last
+    inputs), or None; ``level``: the level's name (static), so a model's fast states can be
+    selected per level.
+    """
+
+    params: Any
+    opt_state: Any
+    cache: Any = None
+    level: str = struct.field(pytree_node=False, default="")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One level of a nested system. See the module docstring for the fields.
+
+    ``read``: ``"after_write"`` (default) reads ``f_{theta_t}(q_t)`` after the write at ``t``;
+    ``"chunk_start"`` reads the state at the start of the token's chunk (Titans-style; with
+    ``every=1`` that is the state before the token's own write).
+    ``truncate``: if set, gradients of outer levels stop flowing through this level's state
+    every ``truncate`` tokens (truncated backpropagation through the inner loop).
+    ``chunk``: compute chunk in tokens (a multiple of ``every``): the block rematerialised by
+    ``jax.checkpoint`` in the generic path, the chunk size of the fast form; ``None`` picks one.
+    ``fast``: optional fast form of the same rule (closed form, chunkwise parallel),
+    ``fast(level, state, context) -> (outputs, state)``; it must agree with the generic path.
+    """
+
+    name: str
+    memory: Any
+    objective: Callable[..., Any]
+    update: UpdateRule | optax.GradientTransformation
+    every: int | Literal["step"] = 1
+    persist: Literal["sequence", "stream"] = "sequence"
+    read: Literal["after_write", "chunk_start"] = "after_write"
+    truncate: int | None = None
+    chunk: int | None = None
+    fast: Callable[..., Any] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"Level.name must be a Python identifier, got {self.name!r}")
+        where = f"Level {self.name!r}"
+        if not (self.every == "step" or _positive_int(self.every)):
+            raise ValueError(
+                f"{where}: every={self.every!r} must be a positive int (tokens per update) "
+                f"or 'step' (the outermost level)"
+            )
+        if self.persist not in PERSIST:
+            raise ValueError(f"{where}: persist={self.persist!r}; use one of {PERSIST}")
+        if self.read not in READS:
+            raise ValueError(f"{where}: read={self.read!r}; use one of {READS}")
+        if not callable(self.objective):
+            raise ValueError(f"{where}: objective must be callable, got {self.objective!r}")
+        rule = as_rule(self.update)  # raises on a bad update
+        if self.is_outer:
+            if not callable(self.memory):
+                raise ValueError(
+                    f"{where}: the outermost level's memory must be a model factory "
+                    f"(rngs -> flax.nnx.Module), got {type(self.memory).__name__}"
+                )
+            return
+        for attr in ("d_k", "d_v", "init", "apply"):
+            if not hasattr(self.memory, attr):
+                raise ValueError(
+                    f"{where}: memory {type(self.memory).__name__} has no {attr!r}; "
+                    f"use a nested.memories memory (Linear, MLP) or implement the Memory protocol"
+                )
+        for field in ("truncate", "chunk"):
+            value = getattr(self, field)
+            if value is not None and not (_positive_int(value) and value % self.every == 0):
+                raise ValueError(
+                    f"{where}: {field}={value!r} must be a positive multiple of every={self.every}"
+                )
+        clash = set(self.gates) & set(RESERVED_ITEM_KEYS)
+        if clash:
+            raise ValueError(f"{where}: gate names {sorted(clash)} clash with the items k, v, q")
+        if rule.retain is not None and rule.retain not in rule.gates:
+            raise ValueError(f"{where}: retain gate {rule.retain!r} is not among the rule's gates")
+
+    @property
+    def is_outer(self) -> bool:
+        return self.every == "step"
+
+    @property
+    def rule(self) -> UpdateRule:
+        return as_rule(self.update)
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        """Every gate the owner must emit: the rule's and the objective's."""
+        return {**as_rule(self.update).gates, **getattr(self.objective, "gates", {})}

@@ -1,0 +1,127 @@
+"""Memories: the parameter set of a level and how it reads, ``f_theta(k)``.
+
+A memory is a frozen, hashable description with two pure functions over one memory (no batch
+or head dimensions; the scheduler vmaps them):
+
+* ``init(key) -> params``: the initial parameters (a pytree), the starting point the owner
+  level meta-learns;
+* ``apply(params, k) -> v_hat``: the read, ``k (d_k,) -> (d_v,)``.
+
+Weights follow the value-by-key convention of DESIGN.md: ``W`` has shape ``(d_out, d_in)`` and
+reads ``W k``. Any object with ``d_k``, ``d_v``, ``init`` and ``apply`` is a memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+}
+
+
+class Memory(Protocol):
+    """The parameter set of a level and its read ``f_theta(k)``."""
+
+    d_k: int
+    d_v: int
+
+    def init(self, key: jax.Array) -> Params:
+        """Initial parameters of one memory."""
+
+    def apply(self, params: Params, k: jax.Array) -> jax.Array:
+        """Read one key: ``(d_k,) -> (d_v,)``."""
+
+
+def _check_dims(memory: object, **dims: int) -> None:
+    for field, value in dims.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"{type(memory).__name__}.{field} must be a positive int, got {value!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """Linear associative memory ``f_W(k) = W k``, ``W (d_v, d_k)`` (Type I).
+
+    ``init_scale`` is the standard deviation of the initial ``W`` (0 gives the classic
+    empty memory ``W_0 = 0``).
+    """
+
+    d_k: int
+    d_v: int
+    init_scale: float = 0.0
+
+    def __post_init__(self):
+        _check_dims(self, d_k=self.d_k, d_v=self.d_v)
+
+    def init(self, key: jax.Array) -> Params:
+        return {"W": self.init_scale * jax.random.normal(key, (self.d_v, self.d_k))}
+
+    def apply(self, params: Params, k: jax.Array) -> jax.Array:
+        return params["W"] @ k
+
+
+@dataclasses.dataclass(frozen=True)
+class MLP:
+    """Neural memory ``f_theta(k) = W_L s(... s(W_1 k))`` of ``depth`` layers (Type II).
+
+    Hidden width ``hidden``; weights ``W1 (hidden, d_k)``, ..., ``W{depth} (d_v, hidden)``, no
+    biases. ``residual=True`` gives the TTT form ``f(k) = k + LN(MLP(k))`` (needs d_k == d_v);
+    the LayerNorm has no learned scale here, scale and shift belong to the owner.
+    Initialisation: ``W_i ~ N(0, 1/fan_in)``.
+    """
+
+    d_k: int
+    d_v: int
+    hidden: int
+    depth: int = 2
+    activation: str = "gelu"
+    residual: bool = False
+
+    def __post_init__(self):
+        _check_dims(self, d_k=self.d_k, d_v=self.d_v, hidden=self.hidden, depth=self.depth)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"MLP.activation={self.activation!r} is unknown; use one of {sorted(ACTIVATIONS)}"
+            )
+        if self.residual and self.d_k != self.d_v:
+            raise ValueError(
+                f"MLP.residual=True needs d_k == d_v, got d_k={self.d_k}, d_v={self.d_v}"
+            )
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        dims = [self.d_k] + [self.hidden] * (self.depth - 1) + [self.d_v]
+        return [(dims[i + 1], dims[i]) for i in range(self.depth)]
+
+    def init(self, key: jax.Array) -> Params:
+        keys = jax.random.split(key, self.depth)
+        return {
+            f"W{i + 1}": jax.random.normal(k, shape) / jnp.sqrt(shape[1])
+            for i, (k, shape) in enumerate(zip(keys, self.shapes, strict=True))
+        }
+
+    def apply(self, params: Params, k: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.activation]
+        h = k
+        for i in range(self.depth):
+            h = params[f"W{i + 1}"] @ h
+            if i < self.depth - 1:
+                h = act(h)
+        if not self.residual:
+            return h
+        mean = jnp.mean(h)
+        var = jnp.mean((h - mean) ** 2)
+        return k + (h - mean) * jax.lax.rsqrt(var + 1e-6)

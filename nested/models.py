@@ -1,0 +1,85 @@
+"""Sequence models whose token mixers are fast levels (Flax NNX).
+
+Models are pure in their fast state, like the layers they are built from:
+``model(tokens, fast) -> (logits, fast)`` and ``model.initial_fast(B)`` gives the fast state a
+sequence starts from (a pytree of :class:`nested.level.LevelState`, one per memory layer).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from nested.layers import MemoryLayer
+from nested.level import Level
+
+
+class MLPBlock(nnx.Module):
+    """Position-wise SwiGLU feed-forward block, ``W_d (silu(W_g x) * W_u x)``."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(
+        self, level: Level, *, dim: int, heads: int, mlp_ratio: int, conv: int, rngs: nnx.Rngs
+    ):
+        self.mixer_norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.mixer = MemoryLayer(level, dim=dim, heads=heads, conv=conv, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs) if mlp_ratio else None
+        self.mlp = MLPBlock(dim, mlp_ratio * dim, rngs=rngs) if mlp_ratio else None
+
+    def __call__(self, x, state):
+        y, state = self.mixer(self.mixer_norm(x), state)
+        x = x + y
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x, state
+
+
+class MemoryLM(nnx.Module):
+    """A causal language model of ``layers`` blocks whose mixers are the fast level ``level``.
+
+    ``tokens (B, T) int -> logits (B, T, vocab)``. Set ``mlp_ratio=0`` to drop the MLP blocks.
+    """
+
+    def __init__(
+        self,
+        level: Level,
+        *,
+        vocab: int,
+        dim: int,
+        heads: int,
+        layers: int = 2,
+        mlp_ratio: int = 2,
+        conv: int = 4,
+        rngs: nnx.Rngs,
+    ):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.blocks = nnx.List(
+            [
+                Block(level, dim=dim, heads=heads, mlp_ratio=mlp_ratio, conv=conv, rngs=rngs)
+                for _ in range(layers)
+            ]
+        )
+        self.norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def initial_fast(self, batch_size: int):
+        return tuple(block.mixer.initial_state(batch_size) for block in self.blocks)
+
+    def __call__(self, tokens: jax.Array, fast):
+        x = self.embed(tokens)
+        states = []
+        for block, state in zip(self.blocks, fast, strict=True):
+            x, state = block(x, state)
+            states.append(state)
+        return self.head(self.norm(x)), tuple(states)

@@ -1,0 +1,88 @@
+"""Objectives: what a level minimises.
+
+Two kinds, told apart by their call signature:
+
+* **local objectives** of fast levels, the loss of one context item,
+  ``objective(memory, params, item) -> scalar``, where ``item`` maps ``"k"``, ``"v"``, ``"q"``
+  and every gate name to one token's arrays (``k (d_k,)``, ``v (d_v,)``, gates scalars). An
+  objective that needs gates lists them in ``gates`` (name -> :class:`nested.rules.Gate`), so the
+  owner level knows to produce them.
+* **outer objectives** of the outermost level, ``objective(logits, batch) -> (loss, metrics)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nested.rules import Gate
+
+
+@dataclasses.dataclass(frozen=True)
+class L2:
+    """``1/2 |f(k) - v|^2``: the delta rule's regression loss (DeltaNet, TTT, Titans)."""
+
+    gates: ClassVar[Mapping[str, Gate]] = MappingProxyType({})
+
+    def __call__(self, memory, params, item) -> jax.Array:
+        return 0.5 * jnp.sum((memory.apply(params, item["k"]) - item["v"]) ** 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """``-<f(k), v>``: the dot-product (Hebbian) objective; one step of lr 1 writes ``v k^T``."""
+
+    gates: ClassVar[Mapping[str, Gate]] = MappingProxyType({})
+
+    def __call__(self, memory, params, item) -> jax.Array:
+        return -jnp.vdot(memory.apply(params, item["k"]), item["v"])
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizedRidge:
+    """Falcon's input-normalised ridge regression (Falcon-1, seed 000 section 3.3).
+
+    ``(1/2 |f(k) - v|^2 + lam/2 |theta|^2) / (|k|^2 + lam + eps)``: one SGD step of lr
+    ``beta`` on it is ``W <- (1 - e lam) W + e (v - W k) k^T`` with the normalised step
+    ``e = beta / (|k|^2 + lam + eps)``. ``lam >= 0`` is the gate named ``lam``.
+    """
+
+    lam: str = "lam"
+    eps: float = 1e-6
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        return {self.lam: Gate("positive", init=0.1)}
+
+    def __call__(self, memory, params, item) -> jax.Array:
+        lam, k = item[self.lam], item["k"]
+        residual = 0.5 * jnp.sum((memory.apply(params, k) - item["v"]) ** 2)
+        ridge = 0.5 * lam * sum(jnp.sum(p**2) for p in jax.tree.leaves(params))
+        return (residual + ridge) / (jnp.sum(k**2) + lam + self.eps)
+
+
+l2 = L2()
+dot = Dot()
+
+
+def next_token(logits: jax.Array, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+    """Masked next-token cross-entropy, the outer objective of a sequence model.
+
+    ``logits (B, T, V)``; ``batch["targets"] (B, T)`` int; optional ``batch["mask"] (B, T)``
+    weights the positions (default: all). Returns the mean loss over weighted positions and
+    metrics ``loss`` and ``accuracy`` (argmax == target, over the same positions).
+    """
+    targets = batch["targets"]
+    mask = batch.get("mask")
+    mask = jnp.ones(targets.shape, logits.dtype) if mask is None else mask.astype(logits.dtype)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    denom = jnp.maximum(jnp.sum(mask), 1.0)
+    loss = jnp.sum(losses * mask) / denom
+    accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * mask) / denom
+    return loss, {"loss": loss, "accuracy": accuracy}

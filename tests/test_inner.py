@@ -1,0 +1,223 @@
+"""The generic inner loop equals plain per-token loops written from the equations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nested as nl
+from nested import inner
+
+B, H, DK, DV = 2, 2, 3, 4
+
+
+def make_context(T, seed=0, gates=("beta",)):
+    keys = jax.random.split(jax.random.key(seed), 4 + len(gates))
+    k = jax.random.normal(keys[0], (B, T, H, DK))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(keys[1], (B, T, H, DV))
+    q = jax.random.normal(keys[2], (B, T, H, DK))
+    g = {
+        name: jax.nn.sigmoid(jax.random.normal(key, (B, T, H)))
+        for name, key in zip(gates, keys[4:], strict=True)
+    }
+    return inner.Context(k=k, v=v, q=q, gates=g)
+
+
+def initial(level, seed=1):
+    W0 = 0.3 * jax.random.normal(jax.random.key(seed), (B, H, DV, DK))
+    return inner.initial_state(level, {"W": W0})
+
+
+def reference(ctx, W0, every, step, read="after_write"):
+    """Plain loop over memories and tokens: gradients at the chunk start, ``step`` per token.
+
+    ``step(W, S, grad, W_chunk_start, t gates) -> (W, S)``; grad is that of 1/2|W k - v|^2.
+    """
+    T = ctx.k.shape[1]
+    outs = np.zeros((B, T, H, DV)).tolist()
+    finals = []
+    for b in range(B):
+        row = []
+        for h in range(H):
+            W, S = W0[b, h], jnp.zeros_like(W0[b, h])
+            for t in range(T):
+                if t % every == 0:
+                    W_start = W
+                gates = {n: g[b, t, h] for n, g in ctx.gates.items()}
+                k, v = ctx.k[b, t, h], ctx.v[b, t, h]
+                W, S = step(W, S, k, v, W_start, gates)
+                W_read = W if read == "after_write" else W_start
+                outs[b][t][h] = W_read @ ctx.q[b, t, h]
+            row.append(W)
+        finals.append(jnp.stack(row))
+    return jnp.array(outs), jnp.stack(finals)
+
+
+def delta_step(W, S, k, v, W_start, g):
+    return W - g["beta"] * jnp.outer(W_start @ k - v, k), S
+
+
+def gated_delta_step(W, S, k, v, W_start, g):
+    a = g["alpha"]
+    return a * W - g["beta"] * jnp.outer(a * W_start @ k - v, k), S
+
+
+def titans_step(W, S, k, v, W_start, g):
+    S = g["momentum"] * S - g["lr"] * jnp.outer(W_start @ k - v, k)
+    return (1 - g["decay"]) * W + S, S
+
+
+CASES = {
+    "delta": (nl.rules.sgd(lr="beta"), ("beta",), delta_step),
+    "gated_delta": (nl.rules.sgd(lr="beta", retain="alpha"), ("beta", "alpha"), gated_delta_step),
+    "titans": (
+        nl.rules.gradient_descent("lr", momentum="momentum", decay="decay"),
+        ("lr", "momentum", "decay"),
+        titans_step,
+    ),
+}
+
+
+def functional(o, W):
+    """A random linear functional of the outputs and the final state, for gradient checks."""
+    wo = jax.random.normal(jax.random.key(7), o.shape)
+    wW = jax.random.normal(jax.random.key(8), W.shape)
+    return jnp.sum(wo * o) + jnp.sum(wW * W)
+
+
+SHAPES = [(10, 1, 4), (10, 4, 8), (7, 3, 3)]  # (T, every, chunk): T never a multiple
+PARAMS = [(case, *shape, "after_write") for case in sorted(CASES) for shape in SHAPES] + [
+    ("delta", 1, 1, None, "after_write"),
+    ("titans", 10, 1, None, "chunk_start"),
+    ("titans", 10, 4, None, "chunk_start"),
+]
+
+
+@pytest.mark.parametrize(("case", "T", "every", "chunk", "read"), PARAMS)
+def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
+    rule, gate_names, step = CASES[case]
+    level = nl.Level(
+        "memory",
+        memory=nl.memories.Linear(DK, DV),
+        objective=nl.objectives.l2,
+        update=rule,
+        every=every,
+        chunk=chunk,
+        read=read,
+    )
+    ctx = make_context(T, gates=gate_names)
+    state = initial(level)
+
+    def ours(ctx, W0):
+        o, final = inner.run(level, state.replace(params={"W": W0}), ctx)
+        return o, final.params["W"]
+
+    def theirs(ctx, W0):
+        return reference(ctx, W0, every, step, read)
+
+    W0 = state.params["W"]
+    for a, b in zip(ours(ctx, W0), theirs(ctx, W0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    grads = [
+        jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1))(ctx, W0)
+        for f in (ours, theirs)
+    ]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_hebbian_is_one_step_of_lr_one_on_the_dot_objective():
+    level = nl.Level(
+        "memory",
+        memory=nl.memories.Linear(DK, DV),
+        objective=nl.objectives.dot,
+        update=nl.rules.sgd(lr=1.0),
+    )
+    ctx = make_context(9, gates=())
+    state = initial(level)
+    o, final = inner.run(level, state, ctx)
+    W = state.params["W"][:, :, None] + jnp.cumsum(
+        jnp.einsum("bthv,bthk->bthvk", ctx.v, ctx.k), axis=1
+    ).transpose(0, 2, 1, 3, 4)
+    np.testing.assert_allclose(final.params["W"], W[:, :, -1], rtol=1e-12)
+    np.testing.assert_allclose(o, jnp.einsum("bhtvk,bthk->bthv", W, ctx.q), rtol=1e-12)
+
+
+def test_optax_transformation_as_a_rule():
+    """A plain optax optimizer (here sgd with momentum) is a fast level's rule, no gates."""
+    level = nl.Level(
+        "memory",
+        memory=nl.memories.Linear(DK, DV),
+        objective=nl.objectives.l2,
+        update=optax.sgd(0.3, momentum=0.5),
+    )
+    ctx = make_context(6, gates=())
+
+    def step(W, S, k, v, W_start, g):
+        S = 0.5 * S + jnp.outer(W_start @ k - v, k)
+        return W - 0.3 * S, S
+
+    state = initial(level)
+    o, final = inner.run(level, state, ctx)
+    o_ref, W_ref = reference(ctx, state.params["W"], 1, step)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-10)
+    np.testing.assert_allclose(final.params["W"], W_ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_streaming_two_calls_equal_one(every):
+    rule, gate_names, _ = CASES["titans"]
+    level = nl.Level(
+        "memory",
+        memory=nl.memories.Linear(DK, DV),
+        objective=nl.objectives.l2,
+        update=rule,
+        every=every,
+    )
+    ctx = make_context(16, gates=gate_names)
+    state = initial(level)
+    o, final = inner.run(level, state, ctx)
+    first = jax.tree.map(lambda x: x[:, :8], ctx)
+    second = jax.tree.map(lambda x: x[:, 8:], ctx)
+    o1, mid = inner.run(level, state, first)
+    o2, end = inner.run(level, mid, second)
+    np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_truncation_keeps_values_and_cuts_gradients():
+    base = dict(
+        memory=nl.memories.Linear(DK, DV),
+        objective=nl.objectives.l2,
+        update=nl.rules.sgd(lr="beta"),
+    )
+    full = nl.Level("memory", **base)
+    cut = nl.Level("memory", **base, truncate=4)
+    ctx = make_context(12)
+    state = initial(full)
+
+    def loss(level, k):
+        o, _ = inner.run(level, state, ctx._replace(k=k))
+        return jnp.sum(o[:, -1] ** 2)  # the last token only
+
+    np.testing.assert_allclose(inner.run(cut, state, ctx)[0], inner.run(full, state, ctx)[0])
+    g_full, g_cut = (
+        jax.grad(lambda k: loss(full, k))(ctx.k),
+        jax.grad(lambda k: loss(cut, k))(ctx.k),
+    )
+    # The last window (tokens 8..11) keeps its gradient, earlier keys lose it.
+    np.testing.assert_allclose(g_cut[:, 8:], g_full[:, 8:], rtol=1e-10)
+    assert jnp.all(g_cut[:, :8] == 0) and jnp.any(g_full[:, :8] != 0)
+
+
+def test_masked_tail_leaves_the_state_unchanged():
+    """T not a multiple of the block: the padded tokens must not write."""
+    level = nl.recipes.delta(d_k=DK, d_v=DV, chunk=8)
+    ctx = make_context(9)
+    state = initial(level)
+    _, final9 = inner.run(level, state, ctx)
+    _, final_ref = reference(ctx, state.params["W"], 1, delta_step)
+    np.testing.assert_allclose(final9.params["W"], final_ref, rtol=1e-12)
