@@ -28,9 +28,9 @@ class ShortConv(nnx.Module):
     sequence processed in pieces gives the same result as in one call.
     """
 
-    def __init__(self, features: int, width: int, *, rngs: nnx.Rngs):
+    def __init__(self, features: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.width = width
-        init = jax.random.normal(rngs.params(), (width, features)) / width
+        init = jax.random.normal(rngs.params(), (width, features), param_dtype) / width
         self.kernel = nnx.Param(init.at[-1].add(1.0))  # start near the identity
 
     def initial_cache(self, batch_size: int) -> jax.Array:
@@ -41,7 +41,7 @@ class ShortConv(nnx.Module):
         padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
         kernel = self.kernel[...].astype(x.dtype)
         y = sum(kernel[None, None, i] * padded[:, i : i + T] for i in range(self.width))
-        return jax.nn.silu(y), padded[:, T:]
+        return jax.nn.silu(y), padded[:, T:].astype(cache.dtype)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -91,7 +91,8 @@ class MemoryLayer(nnx.Module):
             }
         )
         keys = jax.random.split(rngs.params(), heads)
-        self.initial_params = nnx.Param(jax.vmap(level.memory.init)(keys))
+        init = jax.vmap(level.memory.init)(keys)
+        self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), init))
         self.norm = nnx.RMSNorm(d_v, rngs=rngs)
         self.gate_out = linear(dim, heads * d_v) if output_gate else None
         self.out = linear(heads * d_v, dim, use_bias=False)

@@ -7,9 +7,12 @@ sequence starts from (a pytree of :class:`nested.level.LevelState`, one per memo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 from flax import nnx
 
+from nested.cms import ContinuumMemory
 from nested.layers import MemoryLayer
 from nested.level import Level
 
@@ -27,28 +30,50 @@ class MLPBlock(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then the position-wise part: an MLP
+    (``x + mlp(norm(x))``), a Continuum Memory System when ``cms`` levels are given, or
+    nothing when ``mlp_ratio=0``. Fast state: ``{"mixer": LevelState, "cms": (...)}``."""
 
     def __init__(
-        self, level: Level, *, dim: int, heads: int, mlp_ratio: int, conv: int, rngs: nnx.Rngs
+        self,
+        level: Level,
+        *,
+        dim: int,
+        heads: int,
+        mlp_ratio: int,
+        conv: int,
+        cms: Sequence[Level],
+        rngs: nnx.Rngs,
     ):
         self.mixer_norm = nnx.RMSNorm(dim, rngs=rngs)
         self.mixer = MemoryLayer(level, dim=dim, heads=heads, conv=conv, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs) if mlp_ratio else None
-        self.mlp = MLPBlock(dim, mlp_ratio * dim, rngs=rngs) if mlp_ratio else None
+        self.cms = ContinuumMemory(cms, dim=dim, rngs=rngs) if cms else None
+        use_mlp = mlp_ratio > 0 and not cms
+        self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs) if use_mlp else None
+        self.mlp = MLPBlock(dim, mlp_ratio * dim, rngs=rngs) if use_mlp else None
+
+    def initial_state(self, batch_size: int) -> dict:
+        state = {"mixer": self.mixer.initial_state(batch_size)}
+        if self.cms is not None:
+            state["cms"] = self.cms.initial_state(batch_size)
+        return state
 
     def __call__(self, x, state):
-        y, state = self.mixer(self.mixer_norm(x), state)
+        y, mixer_state = self.mixer(self.mixer_norm(x), state["mixer"])
         x = x + y
+        state = {**state, "mixer": mixer_state}
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
+        if self.cms is not None:
+            x, state["cms"] = self.cms(x, state["cms"])
         return x, state
 
 
 class MemoryLM(nnx.Module):
     """A causal language model of ``layers`` blocks whose mixers are the fast level ``level``.
 
-    ``tokens (B, T) int -> logits (B, T, vocab)``. Set ``mlp_ratio=0`` to drop the MLP blocks.
+    ``tokens (B, T) int -> logits (B, T, vocab)``. ``mlp_ratio=0`` drops the MLP blocks;
+    ``cms`` (levels, fastest first) replaces each MLP by a Continuum Memory System.
     """
 
     def __init__(
@@ -61,12 +86,15 @@ class MemoryLM(nnx.Module):
         layers: int = 2,
         mlp_ratio: int = 2,
         conv: int = 4,
+        cms: Sequence[Level] = (),
         rngs: nnx.Rngs,
     ):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List(
             [
-                Block(level, dim=dim, heads=heads, mlp_ratio=mlp_ratio, conv=conv, rngs=rngs)
+                Block(
+                    level, dim=dim, heads=heads, mlp_ratio=mlp_ratio, conv=conv, cms=cms, rngs=rngs
+                )
                 for _ in range(layers)
             ]
         )
@@ -74,7 +102,7 @@ class MemoryLM(nnx.Module):
         self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
 
     def initial_fast(self, batch_size: int):
-        return tuple(block.mixer.initial_state(batch_size) for block in self.blocks)
+        return tuple(block.initial_state(batch_size) for block in self.blocks)
 
     def __call__(self, tokens: jax.Array, fast):
         x = self.embed(tokens)

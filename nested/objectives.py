@@ -71,6 +71,13 @@ l2 = L2()
 dot = Dot()
 
 
+def token_cross_entropy(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
+    """Per-position next-token cross-entropy ``(B, T)``, zero where ``batch["mask"]`` is 0."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch.get("mask")
+    return losses if mask is None else losses * mask.astype(losses.dtype)
+
+
 def next_token(logits: jax.Array, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
     """Masked next-token cross-entropy, the outer objective of a sequence model.
 
@@ -81,8 +88,27 @@ def next_token(logits: jax.Array, batch: Mapping[str, Any]) -> tuple[jax.Array, 
     targets = batch["targets"]
     mask = batch.get("mask")
     mask = jnp.ones(targets.shape, logits.dtype) if mask is None else mask.astype(logits.dtype)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     denom = jnp.maximum(jnp.sum(mask), 1.0)
-    loss = jnp.sum(losses * mask) / denom
+    loss = jnp.sum(token_cross_entropy(logits, batch)) / denom
     accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * mask) / denom
     return loss, {"loss": loss, "accuracy": accuracy}
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The outer objective restricted to a level's window (dynamic evaluation).
+
+    A fast level with this objective is a *model-level* level: its memory is part of the model
+    (e.g. a CMS block), the model runs window by window, and after each window the level takes
+    the gradient of the window's summed token losses ``sum_t token_loss_t`` with respect to its
+    parameters (see :mod:`nested.windows`). ``token_loss(logits, batch) -> (B, T)``.
+    """
+
+    token_loss: Any = token_cross_entropy
+    gates: ClassVar[Mapping[str, Gate]] = MappingProxyType({})
+
+    def __call__(self, logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
+        return self.token_loss(logits, batch)
+
+
+window = Window()

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from nested import windows
 from nested.level import LevelState
 from nested.system import NestedSystem
 
@@ -90,6 +91,9 @@ class Program:
             )
         self.outer = outer
         self.tx = outer.update
+        self.window_levels = {
+            level.name: level for level in system.fast_levels if windows.is_window_level(level)
+        }
 
     # -- building blocks ------------------------------------------------------------------
 
@@ -124,15 +128,25 @@ class Program:
             rng=rng,
         )
 
-    def apply(self, params, inputs: jax.Array, fast=None):
-        """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh)."""
+    def apply(self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None):
+        """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh).
+
+        Model-level levels (CMS blocks, :mod:`nested.windows`) learn only when ``targets``
+        (and optionally ``mask``) are given; without them they read their current state.
+        """
         if fast is None:
             fast = self.start_fast(params, inputs.shape[0])
-        return self.model(params)(inputs, fast)
+        model = self.model(params)
+        if self.window_levels and targets is not None:
+            batch = {"targets": targets} if mask is None else {"targets": targets, "mask": mask}
+            return windows.run(self.window_levels, model, inputs, fast, batch)
+        return model(inputs, fast)
 
     def loss(self, params, batch, fast=None):
         """Outer objective of one batch: ``(loss, (metrics, final fast state))``."""
-        logits, fast = self.apply(params, batch["inputs"], fast)
+        logits, fast = self.apply(
+            params, batch["inputs"], fast, targets=batch["targets"], mask=batch.get("mask")
+        )
         loss, metrics = self.outer.objective(logits, batch)
         return loss, (metrics, fast)
 

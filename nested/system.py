@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from nested.level import Level
+from nested.objectives import Window
 
 
 class NestedSystem:
@@ -54,6 +55,12 @@ class NestedSystem:
                     f"naming the slower level that produces its context"
                 )
             self._check_chain(level.name, owners, by_name)
+            if isinstance(level.objective, Window) and level.gates:
+                raise ValueError(
+                    f"level {level.name!r}: a level learning from the outer loss over its window "
+                    f"gets no per-token gates; its update must use constants, not "
+                    f"{sorted(level.gates)}"
+                )
             owner = by_name[owners[level.name]]
             if not owner.is_outer and owner.every % level.every != 0:
                 raise ValueError(

@@ -95,7 +95,7 @@ def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
     assert carried["sequence"][0] == carried["sequence"][1]
     assert carried["stream"][0] == carried["sequence"][0]
     assert carried["stream"][1] != carried["stream"][0]
-    assert jnp.any(carried["stream"][2][0].params["W"] != 0)
+    assert jnp.any(carried["stream"][2][0]["mixer"].params["W"] != 0)
 
 
 def test_training_on_associative_recall_lifts_accuracy_far_above_chance():

@@ -147,4 +147,4 @@ def test_compiled_program_runs():
     tokens = jnp.arange(14).reshape(2, 7) % 11
     logits, final = program.apply(state.params, tokens)
     assert logits.shape == (2, 7, 11)
-    assert final[0].params["W"].shape == (2, 2, 4, 4)
+    assert final[0]["mixer"].params["W"].shape == (2, 2, 4, 4)

@@ -1,0 +1,69 @@
+"""Continuum Memory System (Nested Learning, Behrouz et al. 2025): MLP blocks at many speeds.
+
+A chain of residual MLP blocks, ``x <- x + MLP_{theta_j}(norm_j(x))`` for ``j = 1..K``, where
+block ``j`` is a fast level updated every ``C_j`` tokens (``C_1 | C_2 | ... | C_K``) from the
+gradients it accumulated over its window: the level's objective is the outer loss restricted
+to the window (:class:`nested.objectives.Window`, dynamic evaluation; see
+:mod:`nested.windows`), its update rule any optax transformation (no per-token gates). Between
+updates a block is a plain MLP; its initial parameters ``theta_j^0`` are slow parameters the
+outer level meta-learns through every update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested import windows
+from nested.level import Level, LevelState
+
+
+class ContinuumMemory(nnx.Module):
+    """CMS over ``x (B, T, dim)``: one block per level in ``levels`` (fastest first).
+
+    Each level's memory must map ``dim -> dim`` (e.g. ``nested.memories.MLP(dim, dim,
+    hidden)``) and its objective must be a :class:`nested.objectives.Window`.
+    """
+
+    def __init__(self, levels: Sequence[Level], *, dim: int, rngs: nnx.Rngs):
+        for level in levels:
+            if not windows.is_window_level(level):
+                raise ValueError(
+                    f"level {level.name!r}: a CMS block learns from the outer loss over its "
+                    f"window; use objective=nested.objectives.window"
+                )
+            if (level.memory.d_k, level.memory.d_v) != (dim, dim):
+                raise ValueError(
+                    f"level {level.name!r}: memory maps {level.memory.d_k} -> "
+                    f"{level.memory.d_v}, a CMS block of width {dim} needs {dim} -> {dim}"
+                )
+        self.levels = tuple(levels)
+        self.norms = nnx.List([nnx.RMSNorm(dim, rngs=rngs) for _ in levels])
+        self.initial_params = nnx.List(
+            [
+                nnx.Param(
+                    jax.tree.map(lambda p: p.astype(jnp.float32), level.memory.init(rngs.params()))
+                )
+                for level in levels
+            ]
+        )
+
+    def initial_state(self, batch_size: int) -> tuple[LevelState, ...]:
+        return tuple(
+            windows.initial_state(
+                level,
+                jax.tree.map(
+                    lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), init.get_value()
+                ),
+            )
+            for level, init in zip(self.levels, self.initial_params, strict=True)
+        )
+
+    def __call__(self, x: jax.Array, states) -> tuple[jax.Array, tuple[LevelState, ...]]:
+        for level, norm, state in zip(self.levels, self.norms, states, strict=True):
+            read = jax.vmap(lambda p, xs, m=level.memory: jax.vmap(lambda t: m.apply(p, t))(xs))
+            x = x + read(state.params, norm(x))
+        return x, tuple(states)

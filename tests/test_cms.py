@@ -1,0 +1,148 @@
+"""Continuum Memory System: cadence, the update it makes, and exact meta-gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nested as nl
+from nested.models import MemoryLM
+
+VOCAB, DIM, PERIODS = 13, 8, (2, 4, 8)
+
+
+def cms_levels(periods=PERIODS, lr=0.5):
+    return [
+        nl.Level(
+            f"cms{c}",
+            memory=nl.memories.MLP(DIM, DIM, 2 * DIM),
+            objective=nl.objectives.window,
+            update=optax.sgd(lr),
+            every=c,
+        )
+        for c in periods
+    ]
+
+
+def program(cms):
+    memory = nl.recipes.delta(d_k=4, d_v=4)
+
+    def model(rngs):
+        return MemoryLM(memory, vocab=VOCAB, dim=DIM, heads=2, layers=1, cms=cms, rngs=rngs)
+
+    backbone = nl.Level(
+        "backbone",
+        memory=model,
+        objective=nl.objectives.next_token,
+        update=optax.adam(1e-3),
+        every="step",
+    )
+    owners = {level.name: "backbone" for level in [memory, *cms]}
+    return nl.compile(nl.NestedSystem([backbone, memory, *cms], owners=owners))
+
+
+def data(T, seed=0):
+    x = jax.random.randint(jax.random.key(seed), (2, T + 1), 0, VOCAB)
+    return {"inputs": x[:, :-1], "targets": x[:, 1:]}
+
+
+def test_each_level_changes_exactly_at_multiples_of_its_period():
+    prog = program(cms_levels())
+    state = prog.init(jax.random.key(0))
+    batch = data(16)
+    fast = prog.start_fast(state.params, 2)
+    apply = jax.jit(lambda p, x, y, f: prog.apply(p, x, f, targets=y))
+    previous = [s.params for s in fast[0]["cms"]]
+    for t in range(2, 17, 2):  # stream the sequence two tokens (one window) at a time
+        _, fast = apply(
+            state.params, batch["inputs"][:, t - 2 : t], batch["targets"][:, t - 2 : t], fast
+        )
+        current = [s.params for s in fast[0]["cms"]]
+        for period, before, after in zip(PERIODS, previous, current, strict=True):
+            changed = any(
+                bool(jnp.any(a != b))
+                for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True)
+            )
+            assert changed == (t % period == 0), (period, t)
+        previous = current
+
+
+def test_update_is_the_rule_on_the_mean_window_gradient():
+    """One level, one period: theta_1 = theta_0 - lr * (1/C) grad sum_t l_t(theta_0)."""
+    C, lr = 4, 0.5
+    prog = program(cms_levels((C,), lr=lr))
+    state = prog.init(jax.random.key(0))
+    batch = data(C)
+    start = prog.start_fast(state.params, 2)
+    _, fast = prog.apply(state.params, batch["inputs"], start, targets=batch["targets"])
+
+    def window_loss(theta):
+        f = (dict(start[0], cms=(start[0]["cms"][0].replace(params=theta),)),)
+        logits, _ = prog.model(state.params)(batch["inputs"], f)
+        return jnp.sum(nl.objectives.token_cross_entropy(logits, batch))
+
+    theta0 = start[0]["cms"][0].params
+    grad = jax.grad(window_loss)(theta0)
+    expected = jax.tree.map(lambda p, g: p - lr * g / C, theta0, grad)
+    for a, b in zip(
+        jax.tree.leaves(fast[0]["cms"][0].params), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_meta_gradients_reach_every_level_and_equal_finite_differences():
+    prog = program(cms_levels())
+    state = prog.init(jax.random.key(0))
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), state.params)
+    batch = data(16)
+    n = len(PERIODS)
+
+    def loss(thetas):
+        p = jax.tree.map(lambda a: a, params)
+        for j, theta in enumerate(thetas):
+            p["blocks"][0]["cms"]["initial_params"][j].set_value(theta)
+        return prog.loss(p, batch)[0]
+
+    thetas = [params["blocks"][0]["cms"]["initial_params"][j].get_value() for j in range(n)]
+    grads = jax.jit(jax.grad(loss))(thetas)
+    loss = jax.jit(loss)
+    eps = 1e-6
+    for j in range(n):
+        for name, index in [("W1", (0, 0)), ("W2", (3, 5))]:
+            assert grads[j][name][index] != 0
+            plus = [dict(t) for t in thetas]
+            minus = [dict(t) for t in thetas]
+            plus[j][name] = plus[j][name].at[index].add(eps)
+            minus[j][name] = minus[j][name].at[index].add(-eps)
+            fd = (loss(plus) - loss(minus)) / (2 * eps)
+            np.testing.assert_allclose(grads[j][name][index], fd, rtol=1e-6, atol=1e-10)
+
+
+def test_sequence_length_must_be_a_multiple_of_the_window():
+    prog = program(cms_levels())
+    state = prog.init(jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match="sequence length 7 is not a multiple of the window every=2 of level 'cms2'",
+    ):
+        prog.loss(state.params, data(7))
+
+
+def test_window_levels_take_no_gates():
+    with pytest.raises(ValueError, match="level 'cms2': a level learning from the outer loss"):
+        level = nl.Level(
+            "cms2",
+            memory=nl.memories.MLP(DIM, DIM, DIM),
+            objective=nl.objectives.window,
+            update=nl.rules.sgd("lr"),
+            every=2,
+        )
+        outer = nl.Level(
+            "backbone",
+            memory=lambda rngs: None,
+            objective=nl.objectives.next_token,
+            update=optax.sgd(0.1),
+            every="step",
+        )
+        nl.NestedSystem([outer, level], owners={"cms2": "backbone"})
