@@ -98,34 +98,44 @@ def _select(mask, new, old):
     return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
 
 
+def retained(level: Level, params: Any, item: dict) -> Any:
+    """``a_t theta``: the state after the rule's retention gate (identity without one)."""
+    name = level.rule.retain
+    if name is None:
+        return params
+    return jax.tree.map(lambda p: item[name] * p, params)
+
+
+def objective_grad(level: Level, params: Any, item: dict) -> Any:
+    """Gradient of the level's objective for one item, at the retained ``params``."""
+    at = retained(level, params, item)
+    return jax.grad(lambda p: level.objective(level.memory, p, item))(at)
+
+
+def rule_step(level: Level, params: Any, opt_state: Any, grad: Any, item: dict):
+    """One step of the level's rule: ``theta' = a theta``, ``theta = theta' + rule(grad)``.
+
+    Returns ``(params, opt_state)``; the gates are read from ``item``.
+    """
+    rule = level.rule
+    gates = {name: item[name] for name in rule.gates}
+    params = retained(level, params, item)
+    updates, opt_state = rule.transform.update(grad, opt_state, params, **gates)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def _chunk_step(level: Level, carry, chunk):
     """One update chunk of ``every`` tokens for one memory."""
-    rule, memory = level.rule, level.memory
     params_start, _ = carry
     items, mask = chunk
-
-    def retained(params, item):
-        if rule.retain is None:
-            return params
-        a = item[rule.retain]
-        return jax.tree.map(lambda p: a * p, params)
-
-    def grad(item):  # gradient at the retained chunk-start state
-        params = retained(params_start, item)
-        return jax.grad(lambda p: level.objective(memory, p, item))(params)
-
-    grads = jax.vmap(grad)(items)
+    grads = jax.vmap(lambda item: objective_grad(level, params_start, item))(items)
 
     def token(carry, inputs):
-        params, opt_state = carry
         grad, item, valid = inputs
-        gates = {name: item[name] for name in rule.gates}
-        new_params = retained(params, item)
-        updates, new_opt = rule.transform.update(grad, opt_state, new_params, **gates)
-        new_params = optax.apply_updates(new_params, updates)
-        params, opt_state = _select(valid, (new_params, new_opt), (params, opt_state))
+        new = rule_step(level, *carry, grad, item)
+        params, opt_state = _select(valid, new, carry)
         read_params = params if level.read == "after_write" else params_start
-        return (params, opt_state), memory.apply(read_params, item["q"])
+        return (params, opt_state), level.memory.apply(read_params, item["q"])
 
     return jax.lax.scan(token, carry, (grads, items, mask))
 

@@ -104,12 +104,14 @@ class Level:
                     f"(rngs -> flax.nnx.Module), got {type(self.memory).__name__}"
                 )
             return
-        for attr in ("d_k", "d_v", "init", "apply"):
-            if not hasattr(self.memory, attr):
-                raise ValueError(
-                    f"{where}: memory {type(self.memory).__name__} has no {attr!r}; "
-                    f"use a nested.memories memory (Linear, MLP) or implement the Memory protocol"
-                )
+        memory_ok = hasattr(self.memory, "apply") and (
+            hasattr(self.memory, "init") or hasattr(self.memory, "init_like")
+        )
+        if not memory_ok:
+            raise ValueError(
+                f"{where}: memory {type(self.memory).__name__} has no apply() and init(); "
+                f"use a nested.memories memory (Linear, MLP) or implement the Memory protocol"
+            )
         for field in ("truncate", "chunk"):
             value = getattr(self, field)
             if value is not None and not (_positive_int(value) and value % self.every == 0):

@@ -103,7 +103,7 @@ def test_chunk_and_truncate_must_be_multiples_of_the_period():
 
 
 def test_memory_must_be_a_memory():
-    with pytest.raises(ValueError, match="Level 'memory': memory dict has no 'd_k'"):
+    with pytest.raises(ValueError, match="Level 'memory': memory dict has no apply"):
         nl.Level("memory", memory={}, objective=nl.objectives.l2, update=nl.rules.sgd())
 
 
