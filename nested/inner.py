@@ -94,6 +94,39 @@ def run(level: Level, state: LevelState, ctx: Context, *, generic: bool = False)
     return run_generic(level, state, ctx)
 
 
+def read(level: Level, params: Any, q: jax.Array) -> jax.Array:
+    """Read every memory: ``params`` leading ``(B, H)``, ``q (B, T, H, d_k) -> (B, T, H, d_v)``."""
+    per_memory = jax.vmap(level.memory.apply, in_axes=(None, 0))  # over tokens
+    o = jax.vmap(jax.vmap(per_memory))(params, jnp.moveaxis(q, 2, 1))
+    return jnp.moveaxis(o, 1, 2)
+
+
+def run_turns(level: Level, state: LevelState, ctx: Context, turn: int):
+    """MemT turn semantics: the sequence is cut into turns of ``turn`` tokens; every token of
+    a turn reads the snapshot ``theta_s`` taken at the turn's start, ``o_t = f_{theta_s}(q_t)``,
+    and the turn's tokens are written afterwards, token by token (with the level's own rule
+    and period, fast form included). Returns ``(o, final state)`` like :func:`run`."""
+    T = ctx.k.shape[1]
+    full = T // turn * turn
+    outputs = []
+    if full:
+        turns = jax.tree.map(
+            lambda x: jnp.moveaxis(x[:, :full].reshape(x.shape[0], -1, turn, *x.shape[2:]), 1, 0),
+            ctx,
+        )
+
+        def step(state, turn_ctx):
+            return run(level, state, turn_ctx)[1], read(level, state.params, turn_ctx.q)
+
+        state, o = jax.lax.scan(step, state, turns)
+        outputs.append(jnp.moveaxis(o, 0, 1).reshape(ctx.k.shape[0], full, *o.shape[3:]))
+    if full < T:
+        tail = jax.tree.map(lambda x: x[:, full:], ctx)
+        outputs.append(read(level, state.params, tail.q))
+        state = run(level, state, tail)[1]
+    return jnp.concatenate(outputs, axis=1), state
+
+
 def _select(mask, new, old):
     return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
 

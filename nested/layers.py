@@ -52,16 +52,25 @@ class MemoryLayer(nnx.Module):
     """A sequence mixer whose memory is the fast level ``level`` (one memory per head).
 
     Context: ``k_t = W_k x_t``, ``v_t = W_v x_t``, ``q_t = W_q x_t`` per head (after an optional
-    short causal convolution, keys and queries L2-normalised by default) and one projection
+    short causal convolution; keys and queries L2-normalised by default) and one projection
     per gate of the level (``(B, T, H)``, in the gate's range by construction). Output:
     ``y_t = W_o [norm(o_t) * sigmoid(W_g x_t)]`` with ``o_t`` the level's read of ``q_t``.
 
     Args:
       level: the fast level (its memory fixes ``d_k``, ``d_v``).
-      dim: model width; heads: number of memories.
+      dim: model width; heads: number of memory heads.
       conv: width of the short causal convolution on q, k, v (0 disables it).
       normalize_keys: L2-normalise keys and queries per head (needed by the delta family).
       output_gate: multiply the normalised reads by a sigmoid gate of the input.
+      key_shift: write the previous token's key with the current value,
+        ``x_t = k_{t-1}`` (Falcon's temporal alignment: predict the next latent).
+      turn: MemT turn semantics with turns of ``turn`` tokens: every token of a turn reads
+        the memory snapshot taken at the start of the turn; the turn is written token by
+        token afterwards (:func:`nested.inner.run_turns`).
+      experts: Mixture-of-Storage (MemT): ``experts`` memories per head sharing the head's
+        keys, values and queries, each with its own gates, combined by dense learned routing:
+        the write gate ``write_gate`` of expert ``e`` is scaled by ``softmax_e(W_w x_t)`` and
+        the reads are mixed by ``softmax_e(W_r x_t)``.
     """
 
     def __init__(
@@ -74,23 +83,37 @@ class MemoryLayer(nnx.Module):
         conv: int = 4,
         normalize_keys: bool = True,
         output_gate: bool = True,
+        key_shift: bool = False,
+        turn: int | None = None,
+        experts: int = 1,
+        write_gate: str | None = None,
     ):
         if level.is_outer:
             raise ValueError(f"level {level.name!r} is the outermost level, not a fast level")
+        if experts > 1 and write_gate not in level.gates:
+            raise ValueError(
+                f"level {level.name!r}: Mixture-of-Storage routes writes through a gate; set "
+                f"write_gate to one of {sorted(level.gates)}"
+            )
+        if turn is not None and turn < 1:
+            raise ValueError(f"turn={turn} must be a positive number of tokens or None")
         self.level = level
-        self.heads = heads
-        self.normalize_keys = normalize_keys
+        self.heads, self.experts = heads, experts
+        self.normalize_keys, self.key_shift, self.turn = normalize_keys, key_shift, turn
+        self.write_gate = write_gate
         d_k, d_v = level.memory.d_k, level.memory.d_v
+        memories = heads * experts
         linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, rngs=rngs, **kw)
         self.qkv = linear(dim, heads * (2 * d_k + d_v), use_bias=False)
         self.conv = ShortConv(heads * (2 * d_k + d_v), conv, rngs=rngs) if conv > 1 else None
         self.gates = nnx.Dict(
             {
-                name: linear(dim, heads, bias_init=nnx.initializers.constant(gate.bias()))
+                name: linear(dim, memories, bias_init=nnx.initializers.constant(gate.bias()))
                 for name, gate in level.gates.items()
             }
         )
-        keys = jax.random.split(rngs.params(), heads)
+        self.routes = linear(dim, 2 * memories) if experts > 1 else None
+        keys = jax.random.split(rngs.params(), memories)
         init = jax.vmap(level.memory.init)(keys)
         self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), init))
         self.norm = nnx.RMSNorm(d_v, rngs=rngs)
@@ -102,29 +125,58 @@ class MemoryLayer(nnx.Module):
         params = jax.tree.map(
             lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), self.initial_params.get_value()
         )
-        cache = None if self.conv is None else self.conv.initial_cache(batch_size)
+        cache = {}
+        if self.conv is not None:
+            cache["conv"] = self.conv.initial_cache(batch_size)
+        if self.key_shift:
+            cache["key"] = jnp.zeros((batch_size, self.heads, self.level.memory.d_k), jnp.float32)
         return inner.initial_state(self.level, params, cache)
 
-    def context(self, x: jax.Array, cache):
+    def context(self, x: jax.Array, cache: dict):
         """Project ``x (B, T, dim)`` to the level's context; returns ``(Context, cache)``."""
         B, T, _ = x.shape
         d_k, d_v = self.level.memory.d_k, self.level.memory.d_v
+        cache = dict(cache)
         qkv = self.qkv(x)
         if self.conv is not None:
-            qkv, cache = self.conv(qkv, cache)
+            qkv, cache["conv"] = self.conv(qkv, cache["conv"])
         qkv = qkv.reshape(B, T, self.heads, 2 * d_k + d_v)
         q, k, v = jnp.split(qkv, [d_k, 2 * d_k], axis=-1)
         if self.normalize_keys:
             q, k = l2_normalize(q), l2_normalize(k)
+        if self.key_shift:
+            previous = cache["key"].astype(k.dtype)[:, None]
+            k, cache["key"] = (
+                jnp.concatenate([previous, k[:, :-1]], 1),
+                k[:, -1].astype(cache["key"].dtype),
+            )
         gates = {
             name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
         }
+        if self.experts > 1:
+            repeat = lambda a: jnp.repeat(a, self.experts, axis=2)
+            q, k, v = repeat(q), repeat(k), repeat(v)
+            write, _ = self._routes(x)
+            gates[self.write_gate] = gates[self.write_gate] * write.reshape(B, T, -1)
         return inner.Context(k=k, v=v, q=q, gates=gates), cache
+
+    def _routes(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Write and read routing weights ``(B, T, H, E)``, each a softmax over experts."""
+        B, T, _ = x.shape
+        logits = self.routes(x).reshape(B, T, 2, self.heads, self.experts)
+        routes = jax.nn.softmax(logits, axis=-1)
+        return routes[:, :, 0], routes[:, :, 1]
 
     def __call__(self, x: jax.Array, state: LevelState) -> tuple[jax.Array, LevelState]:
         B, T, _ = x.shape
         ctx, cache = self.context(x, state.cache)
-        o, state = inner.run(self.level, state, ctx)
+        if self.turn is None:
+            o, state = inner.run(self.level, state, ctx)
+        else:
+            o, state = inner.run_turns(self.level, state, ctx, self.turn)
+        if self.experts > 1:
+            _, read = self._routes(x)
+            o = jnp.sum(o.reshape(B, T, self.heads, self.experts, -1) * read[..., None], axis=3)
         o = self.norm(o)
         if self.gate_out is not None:
             o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)

@@ -1,0 +1,103 @@
+"""Memory layers: streaming, Falcon's key alignment, MemT turns, Mixture-of-Storage."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nested as nl
+from nested import inner
+from nested.layers import MemoryLayer
+
+DIM, HEADS = 8, 2
+
+
+def layer(level=None, **kwargs):
+    level = level or nl.recipes.delta(d_k=4, d_v=4)
+    return MemoryLayer(level, dim=DIM, heads=HEADS, rngs=nnx.Rngs(0), **kwargs)
+
+
+def inputs(T, seed=0):
+    return jax.random.normal(jax.random.key(seed), (2, T, DIM))
+
+
+def assert_close(a, b, rtol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"key_shift": True}, {"turn": 3}, {"conv": 0}])
+def test_two_calls_with_carried_state_equal_one_call(kwargs):
+    mixer = layer(**kwargs)
+    x = inputs(12)
+    whole, final = mixer(x, mixer.initial_state(2))
+    first, mid = mixer(x[:, :6], mixer.initial_state(2))
+    second, end = mixer(x[:, 6:], mid)
+    assert_close(jnp.concatenate([first, second], 1), whole)
+    assert_close(end, final)
+
+
+def test_key_shift_writes_the_previous_key_with_the_current_value():
+    mixer = layer(key_shift=True, conv=0)
+    plain = layer(conv=0)
+    x = inputs(5)
+    ctx, _ = mixer.context(x, mixer.initial_state(2).cache)
+    ref, _ = plain.context(x, plain.initial_state(2).cache)
+    np.testing.assert_allclose(ctx.k[:, 1:], ref.k[:, :-1])
+    assert jnp.all(ctx.k[:, 0] == 0)
+    np.testing.assert_allclose(ctx.v, ref.v)
+
+
+def test_turns_read_the_snapshot_from_the_start_of_the_turn():
+    level = nl.recipes.delta(d_k=4, d_v=4)
+    keys = jax.random.split(jax.random.key(0), 4)
+    k = jax.random.normal(keys[0], (2, 7, HEADS, 4))
+    ctx = inner.Context(
+        k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+        v=jax.random.normal(keys[1], (2, 7, HEADS, 4)),
+        q=jax.random.normal(keys[2], (2, 7, HEADS, 4)),
+        gates={"beta": jax.nn.sigmoid(jax.random.normal(keys[3], (2, 7, HEADS)))},
+    )
+    state = inner.initial_state(level, {"W": jnp.zeros((2, HEADS, 4, 4))})
+    o, final = inner.run_turns(level, state, ctx, turn=3)
+    _, reference_final = inner.run(level, state, ctx)
+    np.testing.assert_allclose(final.params["W"], reference_final.params["W"], rtol=1e-12)
+    for start in (0, 3, 6):  # turns [0, 3), [3, 6), [6, 7)
+        if start == 0:
+            W = state.params["W"]
+        else:
+            W = inner.run(level, state, jax.tree.map(lambda a, s=start: a[:, :s], ctx))[1]
+            W = W.params["W"]
+        expected = jnp.einsum("bhvk,bthk->bthv", W, ctx.q[:, start : start + 3])
+        np.testing.assert_allclose(o[:, start : start + 3], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_mixture_of_storage_routed_to_one_expert_is_that_expert():
+    level = nl.recipes.delta(d_k=4, d_v=4)
+    mos = layer(level, experts=3, write_gate="beta", conv=0)
+    single = layer(level, conv=0)
+    # Copy the shared projections, give expert 0 the single layer's gates and initial state,
+    # and route every write and read to expert 0.
+    for name in ("qkv", "norm", "gate_out", "out"):
+        setattr(mos, name, getattr(single, name))
+    mos.gates["beta"].kernel[...] = jnp.repeat(single.gates["beta"].kernel[...], 3, axis=1)
+    mos.gates["beta"].bias[...] = jnp.repeat(single.gates["beta"].bias[...], 3)
+    init = single.initial_params.get_value()
+    mos.initial_params.set_value(jax.tree.map(lambda p: jnp.repeat(p, 3, axis=0), init))
+    mos.routes.kernel[...] = jnp.zeros_like(mos.routes.kernel[...])
+    mos.routes.bias[...] = jnp.tile(jnp.array([60.0, 0.0, 0.0], jnp.float32), 2 * HEADS)
+    x = inputs(6)
+    y_mos, s_mos = mos(x, mos.initial_state(2))
+    y_single, s_single = single(x, single.initial_state(2))
+    np.testing.assert_allclose(y_mos, y_single, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        s_mos.params["W"][:, ::3], s_single.params["W"], rtol=1e-5, atol=1e-6
+    )
+    # Experts that receive no writes keep their initial state.
+    np.testing.assert_allclose(s_mos.params["W"][:, 1::3], 0.0, atol=1e-12)
+
+
+def test_mixture_of_storage_needs_a_write_gate():
+    with pytest.raises(ValueError, match="set write_gate to one of \\['beta'\\]"):
+        layer(experts=2)
