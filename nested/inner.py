@@ -41,7 +41,7 @@ class Context(NamedTuple):
     """What the owner produces for a fast level: arrays ``(B, T, H, ...)``.
 
     ``k (B, T, H, d_k)``, ``v (B, T, H, d_v)``, ``q (B, T, H, d_k)``; ``gates`` maps each gate
-    name of the level to ``(B, T, H)``.
+    name of the level to ``(B, T, H)``, or ``(B, T, H, size)`` for a vector gate.
     """
 
     k: jax.Array
@@ -72,10 +72,11 @@ def check_context(level: Level, ctx: Context) -> None:
     missing = set(level.gates) - set(ctx.gates)
     if missing:
         raise ValueError(f"{where}: the owner emits no gate(s) {sorted(missing)}")
-    for name in level.gates:
-        if ctx.gates[name].shape != lead:
+    for name, gate in level.gates.items():
+        expected = lead if gate.size is None else (*lead, getattr(level.memory, gate.size))
+        if ctx.gates[name].shape != expected:
             raise ValueError(
-                f"{where}: gate {name!r} has shape {ctx.gates[name].shape}, expected {lead}"
+                f"{where}: gate {name!r} has shape {ctx.gates[name].shape}, expected {expected}"
             )
 
 
@@ -132,11 +133,17 @@ def _select(mask, new, old):
 
 
 def retained(level: Level, params: Any, item: dict) -> Any:
-    """``a_t theta``: the state after the rule's retention gate (identity without one)."""
+    """``a_t theta``: the state after the rule's retention gate (identity without one).
+
+    A ``log_decay`` gate retains ``exp(a)``; a vector gate scales the last axis of each leaf.
+    """
     name = level.rule.retain
     if name is None:
         return params
-    return jax.tree.map(lambda p: item[name] * p, params)
+    a = item[name]
+    if level.gates[name].kind == "log_decay":
+        a = jnp.exp(a)
+    return jax.tree.map(lambda p: p * a.reshape((1,) * (p.ndim - a.ndim) + a.shape), params)
 
 
 def objective_grad(level: Level, params: Any, item: dict) -> Any:

@@ -108,7 +108,11 @@ class MemoryLayer(nnx.Module):
         self.conv = ShortConv(heads * (2 * d_k + d_v), conv, rngs=rngs) if conv > 1 else None
         self.gates = nnx.Dict(
             {
-                name: linear(dim, memories, bias_init=nnx.initializers.constant(gate.bias()))
+                name: linear(
+                    dim,
+                    memories * self._gate_size(gate),
+                    bias_init=nnx.initializers.constant(gate.bias()),
+                )
                 for name, gate in level.gates.items()
             }
         )
@@ -150,15 +154,22 @@ class MemoryLayer(nnx.Module):
                 jnp.concatenate([previous, k[:, :-1]], 1),
                 k[:, -1].astype(cache["key"].dtype),
             )
-        gates = {
-            name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
-        }
+        gates = {}
+        for name, proj in self.gates.items():
+            gate = self.level.gates[name]
+            shape = (B, T, -1) if gate.size is None else (B, T, -1, self._gate_size(gate))
+            gates[name] = gate.activate(proj(x)).reshape(shape)
         if self.experts > 1:
             repeat = lambda a: jnp.repeat(a, self.experts, axis=2)
             q, k, v = repeat(q), repeat(k), repeat(v)
             write, _ = self._routes(x)
-            gates[self.write_gate] = gates[self.write_gate] * write.reshape(B, T, -1)
+            gate = gates[self.write_gate]
+            write = write.reshape(B, T, -1)
+            gates[self.write_gate] = gate * write.reshape(write.shape + (1,) * (gate.ndim - 3))
         return inner.Context(k=k, v=v, q=q, gates=gates), cache
+
+    def _gate_size(self, gate) -> int:
+        return 1 if gate.size is None else getattr(self.level.memory, gate.size)
 
     def _routes(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Write and read routing weights ``(B, T, H, E)``, each a softmax over experts."""

@@ -7,7 +7,9 @@ Any plain optax transformation (``optax.sgd(0.1)``) is a rule with no gates.
 
 A rule may also name a **retention** gate ``a`` that multiplies the state *before* the
 gradient is taken (Gated DeltaNet forgets, then corrects at the forgotten state):
-``theta' = a theta``, ``theta_new = theta' + update(grad L(theta'))``.
+``theta' = a theta``, ``theta_new = theta' + update(grad L(theta'))``. A retention gate of
+kind ``"log_decay"`` multiplies by ``exp(a)``; one of size ``"d_k"`` scales the key axis (the
+last axis of ``W (d_v, d_k)``: ``W diag(a)``, MemT's diagonal forget gate).
 
 :func:`gradient_descent` covers the first-order rules of the seeds:
 
@@ -37,19 +39,24 @@ _GATE_KINDS = ("unit", "positive", "log_decay")
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """A data-dependent scalar the owner level emits per token and head.
+    """A data-dependent value the owner level emits per token and head.
 
     ``kind`` fixes the range by construction: ``"unit"`` is a sigmoid in (0, 1), ``"positive"``
     a softplus in (0, inf), ``"log_decay"`` is ``-softplus`` in (-inf, 0). ``init`` is the value
     the gate takes at initialisation when its projection's input is zero (it sets the bias).
+    ``size`` is None for a scalar per head, or ``"d_k"`` / ``"d_v"`` for one value per key /
+    value channel of the memory (MemT's erase, write and decay vectors).
     """
 
     kind: GateKind = "unit"
     init: float | None = None
+    size: Literal["d_k", "d_v"] | None = None
 
     def __post_init__(self):
         if self.kind not in _GATE_KINDS:
             raise ValueError(f"Gate.kind={self.kind!r} is unknown; use one of {_GATE_KINDS}")
+        if self.size not in (None, "d_k", "d_v"):
+            raise ValueError(f"Gate.size={self.size!r}; use None, 'd_k' or 'd_v'")
         if self.init is not None:
             bad = {
                 "unit": not 0.0 < self.init < 1.0,
