@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from nested.cms import ContinuumMemory
+from nested.hybrid import MemoryAsGate, MemoryAsLayer
 from nested.layers import MemoryLayer
 from nested.level import Level
 
@@ -29,24 +30,34 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+MIXERS = ("memory", "gate", "layer")
+
+
+def make_mixer(
+    kind: str, level: Level, *, dim: int, heads: int, window: int, rngs: nnx.Rngs, **memory_kwargs
+) -> nnx.Module:
+    """A token mixer by name: ``"memory"`` (the fast level alone), ``"gate"`` (Titans MAG:
+    memory gating sliding-window attention), ``"layer"`` (Titans MAL: memory, then
+    attention)."""
+    if kind == "memory":
+        return MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
+    if kind == "gate":
+        return MemoryAsGate(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
+    if kind == "layer":
+        return MemoryAsLayer(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
+    raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))``, then the position-wise part: an MLP
     (``x + mlp(norm(x))``), a Continuum Memory System when ``cms`` levels are given, or
-    nothing when ``mlp_ratio=0``. Fast state: ``{"mixer": LevelState, "cms": (...)}``."""
+    nothing when ``mlp_ratio=0``. Fast state: ``{"mixer": ..., "cms": (...)}``."""
 
     def __init__(
-        self,
-        level: Level,
-        *,
-        dim: int,
-        heads: int,
-        mlp_ratio: int,
-        conv: int,
-        cms: Sequence[Level],
-        rngs: nnx.Rngs,
+        self, mixer: nnx.Module, *, dim: int, mlp_ratio: int, cms: Sequence[Level], rngs: nnx.Rngs
     ):
         self.mixer_norm = nnx.RMSNorm(dim, rngs=rngs)
-        self.mixer = MemoryLayer(level, dim=dim, heads=heads, conv=conv, rngs=rngs)
+        self.mixer = mixer
         self.cms = ContinuumMemory(cms, dim=dim, rngs=rngs) if cms else None
         use_mlp = mlp_ratio > 0 and not cms
         self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs) if use_mlp else None
@@ -70,10 +81,13 @@ class Block(nnx.Module):
 
 
 class MemoryLM(nnx.Module):
-    """A causal language model of ``layers`` blocks whose mixers are the fast level ``level``.
+    """A causal language model of ``layers`` blocks whose mixers run the fast level ``level``.
 
-    ``tokens (B, T) int -> logits (B, T, vocab)``. ``mlp_ratio=0`` drops the MLP blocks;
-    ``cms`` (levels, fastest first) replaces each MLP by a Continuum Memory System.
+    ``tokens (B, T) int -> logits (B, T, vocab)``. ``mixer`` picks the block's token mixer
+    (:func:`make_mixer`; ``window`` is the attention window of the hybrid mixers);
+    ``mlp_ratio=0`` drops the MLP blocks; ``cms`` (levels, fastest first) replaces each MLP by
+    a Continuum Memory System. Other keyword arguments go to the memory layers
+    (:class:`nested.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``, ``experts``...).
     """
 
     def __init__(
@@ -85,15 +99,29 @@ class MemoryLM(nnx.Module):
         heads: int,
         layers: int = 2,
         mlp_ratio: int = 2,
-        conv: int = 4,
+        mixer: str = "memory",
+        window: int = 64,
         cms: Sequence[Level] = (),
         rngs: nnx.Rngs,
+        **memory_kwargs,
     ):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List(
             [
                 Block(
-                    level, dim=dim, heads=heads, mlp_ratio=mlp_ratio, conv=conv, cms=cms, rngs=rngs
+                    make_mixer(
+                        mixer,
+                        level,
+                        dim=dim,
+                        heads=heads,
+                        window=window,
+                        rngs=rngs,
+                        **memory_kwargs,
+                    ),
+                    dim=dim,
+                    mlp_ratio=mlp_ratio,
+                    cms=cms,
+                    rngs=rngs,
                 )
                 for _ in range(layers)
             ]

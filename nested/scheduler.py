@@ -108,7 +108,11 @@ class Program:
             return fresh
 
         def pick(new, old):
-            return old if self.system[new.level].persist == "stream" else new
+            # Memories follow their level's persistence; other per-stream state (attention
+            # caches) continues whenever a carried state is given.
+            if isinstance(new, LevelState) and self.system[new.level].persist != "stream":
+                return new
+            return old
 
         return jax.tree.map(pick, fresh, carried, is_leaf=_is_state)
 

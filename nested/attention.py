@@ -1,0 +1,75 @@
+"""Causal softmax attention with an optional sliding window (Flax NNX).
+
+The attention branch of the Titans models (memory as a gate, memory as a layer) and of
+AdaTransformer. Like the memory layers it is pure in its per-stream state:
+``attention(x, cache) -> (y, cache)``. With a ``window`` of ``w`` tokens the cache keeps the
+last ``w - 1`` keys and values and the stream position, so a sequence processed in pieces
+gives the result of one call; without a window every call attends within itself only.
+Positions are encoded with rotary embeddings (RoPE).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotate channel pairs of ``x (B, T, H, d)`` by angles ``positions (B, T) * base^(-2i/d)``."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * freqs[None, None]  # (B, T, half)
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1).astype(x.dtype)
+
+
+class SlidingWindowAttention(nnx.Module):
+    """Multi-head causal attention; token ``t`` attends to tokens ``t - w + 1 .. t``.
+
+    ``x (B, T, dim) -> (B, T, dim)``; ``window=None`` attends to every earlier token of the
+    call. ``head_dim = dim // heads``.
+    """
+
+    def __init__(self, *, dim: int, heads: int, window: int | None, rngs: nnx.Rngs):
+        if dim % heads:
+            raise ValueError(f"attention: dim={dim} is not divisible by heads={heads}")
+        if window is not None and window < 1:
+            raise ValueError(f"attention: window={window} must be a positive number of tokens")
+        self.heads, self.window, self.head_dim = heads, window, dim // heads
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+
+    def initial_state(self, batch_size: int) -> dict:
+        shape = (batch_size, (self.window or 1) - 1, self.heads, self.head_dim)
+        return {
+            "k": jnp.zeros(shape, jnp.float32),
+            "v": jnp.zeros(shape, jnp.float32),
+            "position": jnp.zeros((batch_size,), jnp.int32),
+        }
+
+    def __call__(self, x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        B, T, _ = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.heads, self.head_dim), 3, axis=2)
+        start = cache["position"]
+        positions = start[:, None] + jnp.arange(T)[None]
+        q, k = rotary(q, positions), rotary(k, positions)
+        past = cache["k"].shape[1]
+        keys = jnp.concatenate([cache["k"].astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([cache["v"].astype(v.dtype), v], axis=1)
+        key_positions = start[:, None] + jnp.arange(-past, T)[None]
+        offset = positions[:, :, None] - key_positions[:, None, :]  # (B, T, past + T)
+        allowed = (offset >= 0) & (key_positions[:, None, :] >= 0)
+        if self.window is not None:
+            allowed &= offset < self.window
+        scores = jnp.einsum("bthd,bshd->bhts", q, keys) / jnp.sqrt(self.head_dim).astype(q.dtype)
+        scores = jnp.where(allowed[:, None], scores, jnp.finfo(scores.dtype).min)
+        y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
+        new_cache = {
+            "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
+            "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
+            "position": start + T,
+        }
+        return self.out(y.reshape(B, T, -1)), new_cache
