@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from nested.cms import ContinuumMemory
+from nested.hope import SelfModifyingLayer
 from nested.hybrid import MemoryAsGate, MemoryAsLayer
 from nested.layers import MemoryLayer
 from nested.level import Level
@@ -30,7 +31,7 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-MIXERS = ("memory", "gate", "layer")
+MIXERS = ("memory", "gate", "layer", "self_modifying")
 
 
 def make_mixer(
@@ -38,13 +39,16 @@ def make_mixer(
 ) -> nnx.Module:
     """A token mixer by name: ``"memory"`` (the fast level alone), ``"gate"`` (Titans MAG:
     memory gating sliding-window attention), ``"layer"`` (Titans MAL: memory, then
-    attention)."""
+    attention), ``"self_modifying"`` (Hope: the memory's projections are fast memories too;
+    pass ``projections=`` the projection level)."""
     if kind == "memory":
         return MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
     if kind == "gate":
         return MemoryAsGate(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
     if kind == "layer":
         return MemoryAsLayer(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
+    if kind == "self_modifying":
+        return SelfModifyingLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
     raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
 
 

@@ -75,6 +75,15 @@ class NestedSystem:
                     f"level {slowest[0]!r}: every={slow} is not a multiple of the faster period "
                     f"{fast}; the periods of a nested system must divide one another"
                 )
+        windows = [level for level in levels if isinstance(level.objective, Window)]
+        if windows:
+            window = min(windows, key=lambda level: level.every)
+            for level in levels:
+                if not (level.is_outer or level in windows) and window.every % level.every:
+                    raise ValueError(
+                        f"level {level.name!r}: every={level.every} does not divide the window "
+                        f"every={window.every} of {window.name!r}, in which the model runs"
+                    )
         self.levels: tuple[Level, ...] = tuple(
             sorted(levels, key=lambda level: float("inf") if level.is_outer else level.every)
         )

@@ -1,0 +1,153 @@
+"""Self-modifying memory (Hope; Behrouz et al. 2025, "Nested Learning").
+
+In a plain memory layer the maps producing the memory's keys, values and queries are slow
+weights. Here they are themselves fast memories, updated in context, so the layer modifies
+how its memory learns. Three levels are involved:
+
+* ``memory``: the fast memory reading and writing the sequence (e.g. Titans), any period;
+* ``projections``: three linear memories ``P_k, P_v, P_q (dim, dim)`` producing its context,
+  ``k_t = P_k x_t``, ``v_t = P_v x_t``, ``q_t = P_q x_t`` (split into heads), updated every
+  ``C = projections.every`` tokens on *self-generated* targets: each ``P_c`` regresses
+  ``x_t -> P_c v_t``, the projection applied to the value the layer produced, i.e. one step of
+  the projection level's rule on ``1/2 |P_c x_t - P_c v_t|^2`` (all evaluated at the chunk's
+  start, mini-batch semantics), with a learned per-token step size;
+* the outer level, owning the projections' initial values, the gates and the output map.
+
+Per chunk of ``C`` tokens: project with the chunk-start ``P``, run the memory over the chunk,
+then update ``P``. Gates of the memory come from slow projections of ``x``. The whole thing is
+differentiated exactly by the outer level (no stop-gradient through the writes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested import inner, memories, objectives, rules
+from nested.layers import l2_normalize
+from nested.level import Level
+
+
+class SelfModifyingLayer(nnx.Module):
+    """Hope's self-modifying memory mixer: ``x (B, T, dim) -> (B, T, dim)``.
+
+    Needs ``dim == heads * d_k == heads * d_v`` of the memory level (the self-generated
+    targets apply the projections to values), and a projection level whose memory maps
+    ``dim -> dim`` and whose update rule reads at most one gate (the step size).
+    """
+
+    def __init__(
+        self,
+        level: Level,
+        *,
+        projections: Level,
+        dim: int,
+        heads: int,
+        rngs: nnx.Rngs,
+        output_gate: bool = True,
+    ):
+        d_k, d_v = level.memory.d_k, level.memory.d_v
+        if heads * d_k != dim or heads * d_v != dim:
+            raise ValueError(
+                f"level {level.name!r}: a self-modifying memory needs heads * d_k == heads * d_v"
+                f" == dim, got heads={heads}, d_k={d_k}, d_v={d_v}, dim={dim}"
+            )
+        if (projections.memory.d_k, projections.memory.d_v) != (dim, dim):
+            raise ValueError(
+                f"level {projections.name!r}: projection memories must map dim -> dim = {dim}"
+            )
+        if projections.every % level.every:
+            raise ValueError(
+                f"level {level.name!r}: every={level.every} does not divide the period "
+                f"every={projections.every} of its owner {projections.name!r}"
+            )
+        if len(projections.gates) > 1:
+            raise ValueError(
+                f"level {projections.name!r}: projection updates read at most one gate (the "
+                f"step size), got {sorted(projections.gates)}"
+            )
+        self.level, self.projections = level, projections
+        self.heads = heads
+        linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, rngs=rngs, **kw)
+        self.gates = nnx.Dict(
+            {
+                name: linear(dim, heads, bias_init=nnx.initializers.constant(gate.bias()))
+                for name, gate in level.gates.items()
+            }
+        )
+        self.projection_gates = nnx.Dict(
+            {
+                name: linear(dim, 3, bias_init=nnx.initializers.constant(gate.bias()))
+                for name, gate in projections.gates.items()
+            }
+        )
+        init = jax.random.normal(rngs.params(), (3, dim, dim), jnp.float32) / jnp.sqrt(dim)
+        self.initial_projections = nnx.Param(init)
+        keys = jax.random.split(rngs.params(), heads)
+        memory_init = jax.vmap(level.memory.init)(keys)
+        self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), memory_init))
+        self.norm = nnx.RMSNorm(d_v, rngs=rngs)
+        self.gate_out = linear(dim, dim) if output_gate else None
+        self.out = linear(dim, dim, use_bias=False)
+
+    def initial_state(self, batch_size: int) -> dict:
+        broadcast = lambda p: jnp.broadcast_to(p, (batch_size, *p.shape))
+        memory = jax.tree.map(broadcast, self.initial_params.get_value())
+        projections = {"W": broadcast(self.initial_projections[...])}
+        return {
+            "memory": inner.initial_state(self.level, memory),
+            "projections": inner.initial_state(self.projections, projections),
+        }
+
+    def _chunk(self, state: dict, x: jax.Array) -> tuple[dict, jax.Array]:
+        """One projection period: ``x (B, C, dim)`` with the chunk-start projections."""
+        B, C, dim = x.shape
+        P = state["projections"].params["W"]  # (B, 3, dim, dim)
+        k, v, q = jnp.moveaxis(jnp.einsum("bpoi,bti->bpto", P, x), 1, 0)
+        heads = lambda a: a.reshape(B, C, self.heads, -1)
+        gates = {
+            name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
+        }
+        ctx = inner.Context(
+            k=l2_normalize(heads(k)), v=heads(v), q=l2_normalize(heads(q)), gates=gates
+        )
+        o, memory = inner.run(self.level, state["memory"], ctx)
+        targets = jnp.einsum("bpoi,bti->btpo", P, v)  # each projection applied to the values
+        inputs = jnp.broadcast_to(x[:, :, None], (B, C, 3, dim))
+        proj_gates = {
+            name: self.projections.gates[name].activate(proj(x))
+            for name, proj in self.projection_gates.items()
+        }
+        proj_ctx = inner.Context(k=inputs, v=targets, q=inputs, gates=proj_gates)
+        _, projections = inner.run(self.projections, state["projections"], proj_ctx)
+        return {"memory": memory, "projections": projections}, o
+
+    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+        B, T, dim = x.shape
+        C = self.projections.every
+        full = T // C * C
+        outputs = []
+        if full:
+            chunks = jnp.moveaxis(x[:, :full].reshape(B, full // C, C, dim), 1, 0)
+            state, o = jax.lax.scan(jax.checkpoint(self._chunk), state, chunks)
+            outputs.append(jnp.moveaxis(o, 0, 1).reshape(B, full, *o.shape[3:]))
+        if full < T:
+            state, o = self._chunk(state, x[:, full:])
+            outputs.append(o)
+        o = self.norm(jnp.concatenate(outputs, axis=1))
+        if self.gate_out is not None:
+            o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)
+        return self.out(o.reshape(B, T, -1)), state
+
+
+def projection_level(dim: int, every: int, *, name: str = "projections") -> Level:
+    """The projection memories of a self-modifying layer: linear ``dim -> dim``, one SGD step
+    on ``1/2 |P x - P v|^2`` per chunk of ``every`` tokens with a learned step size."""
+    return Level(
+        name,
+        memory=memories.Linear(dim, dim),
+        objective=objectives.l2,
+        update=rules.gradient_descent("lr", gate_kinds={"lr": rules.Gate("unit", init=0.01)}),
+        every=every,
+    )

@@ -1,0 +1,129 @@
+"""Hope's self-modifying memory: projection updates, streaming, meta-gradients, an LM."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import nested as nl
+from nested.hope import SelfModifyingLayer, projection_level
+from nested.models import MemoryLM
+
+DIM, HEADS, C = 8, 2, 4
+
+
+def make_layer(every=1):
+    memory = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, every=every)
+    return SelfModifyingLayer(
+        memory, projections=projection_level(DIM, C), dim=DIM, heads=HEADS, rngs=nnx.Rngs(0)
+    )
+
+
+def x_of(T, seed=0):
+    return jax.random.normal(jax.random.key(seed), (2, T, DIM), jnp.float32)
+
+
+def test_projections_change_once_per_chunk_by_the_self_generated_regression():
+    layer = make_layer()
+    x = x_of(C)
+    state = layer.initial_state(2)
+    _, after = layer(x, state)
+    P = state["projections"].params["W"]  # (B, 3, dim, dim)
+    v = jnp.einsum("boi,bti->bto", P[:, 1], x)  # the chunk's values, chunk-start P_v
+    lr = jax.nn.sigmoid(layer.projection_gates["lr"](x))  # (B, C, 3)
+    targets = jnp.einsum("bpoi,bti->btpo", P, v)
+    errors = jnp.einsum("bpoi,bti->btpo", P, x) - targets
+    expected = P - jnp.einsum("btp,btpo,bti->bpoi", lr, errors, x)
+    np.testing.assert_allclose(after["projections"].params["W"], expected, rtol=1e-5, atol=1e-6)
+    _, partial = layer(x[:, :3], state)  # within a chunk's first tokens: one update at the end
+    assert jnp.any(partial["projections"].params["W"] != P)
+
+
+def test_streaming_at_chunk_boundaries():
+    layer = make_layer()
+    x = x_of(3 * C + 2)
+    whole, final = layer(x, layer.initial_state(2))
+    a, mid = layer(x[:, : 2 * C], layer.initial_state(2))
+    b, end = layer(x[:, 2 * C :], mid)
+    np.testing.assert_allclose(jnp.concatenate([a, b], 1), whole, rtol=1e-5, atol=1e-6)
+    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+
+
+def hope_program(vocab=11):
+    memory = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS)
+    projections = projection_level(DIM, C)
+    cms = [
+        nl.Level(
+            f"cms{c}",
+            memory=nl.memories.MLP(DIM, DIM, 2 * DIM),
+            objective=nl.objectives.window,
+            update=optax.sgd(0.1),
+            every=c,
+        )
+        for c in (C, 2 * C, 4 * C)
+    ]
+
+    def model(rngs):
+        return MemoryLM(
+            memory,
+            vocab=vocab,
+            dim=DIM,
+            heads=HEADS,
+            layers=1,
+            mixer="self_modifying",
+            projections=projections,
+            cms=cms,
+            rngs=rngs,
+        )
+
+    backbone = nl.Level(
+        "backbone",
+        memory=model,
+        objective=nl.objectives.next_token,
+        update=optax.adam(3e-3),
+        every="step",
+    )
+    owners = {
+        "memory": "projections",
+        "projections": "backbone",
+        **{level.name: "backbone" for level in cms},
+    }
+    return nl.compile(nl.NestedSystem([backbone, memory, projections, *cms], owners=owners))
+
+
+def test_hope_lm_meta_gradient_of_the_initial_projections_equals_finite_differences():
+    prog = hope_program()
+    state = prog.init(jax.random.key(0))
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), state.params)
+    x = jax.random.randint(jax.random.key(1), (2, 4 * C + 1), 0, 11)
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
+    P0 = params["blocks"][0]["mixer"]["initial_projections"][...]
+
+    def loss(P):
+        p = jax.tree.map(lambda a: a, params)
+        p["blocks"][0]["mixer"]["initial_projections"][...] = P
+        return prog.loss(p, batch)[0]
+
+    grad = jax.jit(jax.grad(loss))(P0)
+    loss = jax.jit(loss)
+    eps = 1e-6
+    for index in [(0, 1, 2), (1, 0, 7), (2, 5, 5)]:
+        e = jnp.zeros_like(P0).at[index].set(eps)
+        fd = (loss(P0 + e) - loss(P0 - e)) / (2 * eps)
+        assert grad[index] != 0
+        np.testing.assert_allclose(grad[index], fd, rtol=1e-6, atol=1e-10)
+
+
+def test_hope_lm_trains():
+    prog = hope_program()
+    state = prog.init(jax.random.key(0))
+    step = jax.jit(prog.train_step)
+    x = jax.random.randint(jax.random.key(1), (4, 4 * C + 1), 0, 11)
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
+    losses = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
