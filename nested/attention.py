@@ -26,6 +26,46 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Ar
     return jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1).astype(x.dtype)
 
 
+def initial_cache(batch_size: int, window: int | None, heads: int, head_dim: int) -> dict:
+    """Empty per-stream cache: the last ``window - 1`` keys and values, and the position."""
+    shape = (batch_size, (window or 1) - 1, heads, head_dim)
+    return {
+        "k": jnp.zeros(shape, jnp.float32),
+        "v": jnp.zeros(shape, jnp.float32),
+        "position": jnp.zeros((batch_size,), jnp.int32),
+    }
+
+
+def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Array, dict]:
+    """Causal softmax attention of ``q, k, v (B, T, H, d)`` with RoPE and a sliding window.
+
+    Token ``t`` attends to ``t - window + 1 .. t`` (every earlier token of the call when
+    ``window`` is None), including the cached keys of the previous call. Returns
+    ``(y (B, T, H, d), cache)``.
+    """
+    T, d = q.shape[1], q.shape[-1]
+    start = cache["position"]
+    positions = start[:, None] + jnp.arange(T)[None]
+    q, k = rotary(q, positions), rotary(k, positions)
+    past = cache["k"].shape[1]
+    keys = jnp.concatenate([cache["k"].astype(k.dtype), k], axis=1)
+    values = jnp.concatenate([cache["v"].astype(v.dtype), v], axis=1)
+    key_positions = start[:, None] + jnp.arange(-past, T)[None]
+    offset = positions[:, :, None] - key_positions[:, None, :]  # (B, T, past + T)
+    allowed = (offset >= 0) & (key_positions[:, None, :] >= 0)
+    if window is not None:
+        allowed &= offset < window
+    scores = jnp.einsum("bthd,bshd->bhts", q, keys) / jnp.sqrt(d).astype(q.dtype)
+    scores = jnp.where(allowed[:, None], scores, jnp.finfo(scores.dtype).min)
+    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
+    new_cache = {
+        "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
+        "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
+        "position": start + T,
+    }
+    return y, new_cache
+
+
 class SlidingWindowAttention(nnx.Module):
     """Multi-head causal attention; token ``t`` attends to tokens ``t - w + 1 .. t``.
 
@@ -43,33 +83,10 @@ class SlidingWindowAttention(nnx.Module):
         self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
 
     def initial_state(self, batch_size: int) -> dict:
-        shape = (batch_size, (self.window or 1) - 1, self.heads, self.head_dim)
-        return {
-            "k": jnp.zeros(shape, jnp.float32),
-            "v": jnp.zeros(shape, jnp.float32),
-            "position": jnp.zeros((batch_size,), jnp.int32),
-        }
+        return initial_cache(batch_size, self.window, self.heads, self.head_dim)
 
     def __call__(self, x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         B, T, _ = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.heads, self.head_dim), 3, axis=2)
-        start = cache["position"]
-        positions = start[:, None] + jnp.arange(T)[None]
-        q, k = rotary(q, positions), rotary(k, positions)
-        past = cache["k"].shape[1]
-        keys = jnp.concatenate([cache["k"].astype(k.dtype), k], axis=1)
-        values = jnp.concatenate([cache["v"].astype(v.dtype), v], axis=1)
-        key_positions = start[:, None] + jnp.arange(-past, T)[None]
-        offset = positions[:, :, None] - key_positions[:, None, :]  # (B, T, past + T)
-        allowed = (offset >= 0) & (key_positions[:, None, :] >= 0)
-        if self.window is not None:
-            allowed &= offset < self.window
-        scores = jnp.einsum("bthd,bshd->bhts", q, keys) / jnp.sqrt(self.head_dim).astype(q.dtype)
-        scores = jnp.where(allowed[:, None], scores, jnp.finfo(scores.dtype).min)
-        y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
-        new_cache = {
-            "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
-            "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
-            "position": start + T,
-        }
-        return self.out(y.reshape(B, T, -1)), new_cache
+        y, cache = causal_attention(q, k, v, cache, self.window)
+        return self.out(y.reshape(B, T, -1)), cache

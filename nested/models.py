@@ -14,7 +14,7 @@ from flax import nnx
 
 from nested.cms import ContinuumMemory
 from nested.hope import SelfModifyingLayer
-from nested.hybrid import MemoryAsGate, MemoryAsLayer
+from nested.hybrid import AdaTransformerMixer, MemoryAsGate, MemoryAsLayer
 from nested.layers import MemoryLayer
 from nested.level import Level
 
@@ -31,7 +31,7 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-MIXERS = ("memory", "gate", "layer", "self_modifying")
+MIXERS = ("memory", "gate", "layer", "self_modifying", "adatransformer")
 
 
 def make_mixer(
@@ -40,13 +40,18 @@ def make_mixer(
     """A token mixer by name: ``"memory"`` (the fast level alone), ``"gate"`` (Titans MAG:
     memory gating sliding-window attention), ``"layer"`` (Titans MAL: memory, then
     attention), ``"self_modifying"`` (Hope: the memory's projections are fast memories too;
-    pass ``projections=`` the projection level)."""
+    pass ``projections=`` the projection level), ``"adatransformer"`` (attention whose MLP is
+    the memory, seed 001; ``window=None`` for full causal attention)."""
     if kind == "memory":
         return MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
     if kind == "gate":
         return MemoryAsGate(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
     if kind == "layer":
         return MemoryAsLayer(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
+    if kind == "adatransformer":
+        return AdaTransformerMixer(
+            level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs
+        )
     if kind == "self_modifying":
         return SelfModifyingLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
     raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
@@ -104,7 +109,7 @@ class MemoryLM(nnx.Module):
         layers: int = 2,
         mlp_ratio: int = 2,
         mixer: str = "memory",
-        window: int = 64,
+        window: int | None = 64,
         cms: Sequence[Level] = (),
         rngs: nnx.Rngs,
         **memory_kwargs,

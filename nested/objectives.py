@@ -67,6 +67,30 @@ class NormalizedRidge:
         return (residual + ridge) / (jnp.sum(k**2) + lam + self.eps)
 
 
+@dataclasses.dataclass(frozen=True)
+class ErasedL2:
+    """MemT's Stable GDN-2 regression: ``1/2 |f(sqrt(b) * k) - w * v|^2``.
+
+    ``b`` (gate ``erase``, in (0,1)^{d_k}) selects the key channels a write erases and ``w``
+    (gate ``write``, in (0,1)^{d_v}) scales the value written; one SGD step of lr 1 on it at
+    the decayed state ``W D`` is ``W D (I - u u^T) + (w * v) u^T`` with ``u = sqrt(b) * k``.
+    """
+
+    erase: str = "erase"
+    write: str = "write"
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        return {
+            self.erase: Gate("unit", init=0.5, size="d_k"),
+            self.write: Gate("unit", init=0.5, size="d_v"),
+        }
+
+    def __call__(self, memory, params, item) -> jax.Array:
+        u = jnp.sqrt(item[self.erase]) * item["k"]
+        return 0.5 * jnp.sum((memory.apply(params, u) - item[self.write] * item["v"]) ** 2)
+
+
 l2 = L2()
 dot = Dot()
 

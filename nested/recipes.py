@@ -1,27 +1,96 @@
 """Memory rules as level recipes: a rule is data (memory + objective + update rule).
 
-Each recipe returns a :class:`nested.Level`; ``RULES`` maps rule names to recipes so configs can
-choose a rule by name. A recipe may attach a ``fast`` form (closed form, chunkwise parallel);
-the generic path (``nested.inner.run_generic``) is the definition it must agree with.
+Each recipe returns a :class:`nested.Level` named ``name`` with the rule's memory, objective and
+update rule; extra keyword arguments (``every``, ``persist``, ``read``, ``chunk``, ``truncate``)
+go to the level. ``RULES`` maps rule names to recipes so configs can choose a rule by name.
+A recipe may attach a ``fast`` form (closed form, chunkwise parallel, :mod:`nested.ops`); the
+generic path (:func:`nested.inner.run_generic`) is the definition it must agree with.
+
+Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
+
+* ``hebbian`` (linear attention): ``W_t = W_{t-1} + v_t k_t^T``; lr 1 on ``-<W k, v>``.
+* ``delta`` (DeltaNet): ``W_t = W_{t-1} + b_t (v_t - W_{t-1} k_t) k_t^T``; lr ``b_t`` on
+  ``1/2 |W k - v|^2``. With ``every=C`` it is mini-batch TTT-Linear.
+* ``gated_delta`` (Gated DeltaNet): ``W_t = a_t W_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T``:
+  retain ``a_t``, then the delta step at the retained state.
+* ``falcon`` (Falcon-1): ``W_t = (1 - e_t l_t) W_{t-1} + e_t (v_t - W_{t-1} x_t) x_t^T``,
+  ``e_t = b_t / (|x_t|^2 + l_t + eps)``: lr ``b_t`` on the normalised ridge loss. The layer
+  provides the alignment ``x_t = k_{t-1}`` (``MemoryLayer(key_shift=True)``).
+* ``gdn2`` (MemT Stable GDN-2): ``W_t = W_{t-1} D_t (I - u_t u_t^T) + (w_t * v_t) u_t^T``,
+  ``u_t = sqrt(b_t) * k_t``, ``D_t = diag(exp(l_t))``: retain ``D_t``, then lr 1 on
+  ``1/2 |W u - w * v|^2``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nested import memories, objectives, rules
 from nested.level import Level
+from nested.rules import Gate
 
 
-def delta(name: str = "memory", *, d_k: int, d_v: int, every: int = 1, **level_kwargs) -> Level:
-    """DeltaNet: one SGD step of lr ``beta_t`` on ``1/2 |W k_t - v_t|^2`` per token,
-    ``W_t = W_{t-1} + beta_t (v_t - W_{t-1} k_t) k_t^T`` (``every=C``: mini-batch TTT-Linear)."""
+def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
+    """Linear attention: one step of lr 1 on ``-<W k, v>`` per token."""
+    return Level(
+        name,
+        memory=memories.Linear(d_k, d_v),
+        objective=objectives.dot,
+        update=rules.sgd(lr=1.0),
+        **level_kwargs,
+    )
+
+
+def delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
+    """DeltaNet: one SGD step of lr ``beta_t`` on ``1/2 |W k_t - v_t|^2`` per token."""
     return Level(
         name,
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
         update=rules.sgd(lr="beta"),
-        every=every,
         **level_kwargs,
     )
 
 
-RULES = {"delta": delta}
+def gated_delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
+    """Gated DeltaNet: retain ``alpha_t``, then the delta step of lr ``beta_t``."""
+    gates = {**rules.DEFAULT_GATES, "retain": Gate("unit", init=0.95)}
+    return Level(
+        name,
+        memory=memories.Linear(d_k, d_v),
+        objective=objectives.l2,
+        update=rules.gradient_descent("beta", retain="alpha", gate_kinds=gates),
+        **level_kwargs,
+    )
+
+
+def falcon(name: str = "memory", *, d_k: int, d_v: int, eps: float = 1e-6, **level_kwargs) -> Level:
+    """Falcon-1: lr ``beta_t`` on the input-normalised ridge loss (gate ``lam`` >= 0)."""
+    return Level(
+        name,
+        memory=memories.Linear(d_k, d_v),
+        objective=objectives.NormalizedRidge(eps=eps),
+        update=rules.sgd(lr="beta"),
+        **level_kwargs,
+    )
+
+
+def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
+    """MemT Stable GDN-2: diagonal decay ``exp(l_t)`` over keys, erase and write vectors."""
+    decay = {"retain": Gate("log_decay", init=-0.05, size="d_k")}
+    return Level(
+        name,
+        memory=memories.Linear(d_k, d_v),
+        objective=objectives.ErasedL2(),
+        update=rules.gradient_descent(1.0, retain="log_decay", gate_kinds=decay),
+        **level_kwargs,
+    )
+
+
+RULES: dict[str, Callable[..., Level]] = {
+    "hebbian": hebbian,
+    "delta": delta,
+    "gated_delta": gated_delta,
+    "falcon": falcon,
+    "gdn2": gdn2,
+}

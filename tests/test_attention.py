@@ -70,3 +70,33 @@ def test_bad_attention_settings():
         SlidingWindowAttention(dim=9, heads=2, window=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="window=0 must be a positive"):
         SlidingWindowAttention(dim=8, heads=2, window=0, rngs=nnx.Rngs(0))
+
+
+def test_adatransformer_reads_a_hebbian_memory_with_the_attention_output():
+    from nested.attention import causal_attention
+    from nested.hybrid import AdaTransformerMixer
+
+    d = DIM // HEADS
+    level = nl.recipes.hebbian(d_k=d, d_v=d)
+    mixer = AdaTransformerMixer(level, dim=DIM, heads=HEADS, window=None, rngs=nnx.Rngs(0))
+    mixer.initial_params.set_value({"W": jax.random.normal(jax.random.key(5), (HEADS, d, d))})
+    x = x_of(7)
+    y, state = mixer(x, mixer.initial_state(2))
+    q, k, v = jnp.split(mixer.qkv(x).reshape(2, 7, 3 * HEADS, d), 3, axis=2)
+    y_attn, _ = causal_attention(q, k, v, mixer.initial_state(2)["attention"], None)
+    k = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    M = mixer.initial_params.get_value()["W"][None, None] + jnp.cumsum(
+        jnp.einsum("bthv,bthk->bthvk", v, k), axis=1
+    )  # (B, T, H, d, d): M_t after the write
+    expected = mixer.out(jnp.einsum("bthvk,bthk->bthv", M, y_attn).reshape(2, 7, DIM))
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state["memory"].params["W"], M[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_adatransformer_needs_head_sized_memory():
+    from nested.hybrid import AdaTransformerMixer
+
+    with pytest.raises(ValueError, match="AdaTransformer needs memory d_k == d_v == dim / heads"):
+        AdaTransformerMixer(
+            nl.recipes.hebbian(d_k=3, d_v=4), dim=DIM, heads=HEADS, window=None, rngs=nnx.Rngs(0)
+        )
