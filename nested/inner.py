@@ -209,6 +209,19 @@ def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block:
     return o.reshape(n_blocks * block, -1), params, opt_state
 
 
+def windowed(items: dict, window: int, names) -> dict:
+    """For each named item ``(B, T, ...)``, the last ``window`` values at every step,
+    ``(B, T, H, window, ...)`` oldest first, zero before the sequence start."""
+    out = {}
+    for name in names:
+        x = jnp.moveaxis(items[name], 1, 2)  # (B, H, T, ...)
+        padded = jnp.pad(x, [(0, 0), (0, 0), (window - 1, 0)] + [(0, 0)] * (x.ndim - 3))
+        T = x.shape[2]
+        stacked = jnp.stack([padded[:, :, i : i + T] for i in range(window)], axis=3)
+        out[name] = jnp.moveaxis(stacked, 2, 1)
+    return out
+
+
 def run_generic(level: Level, state: LevelState, ctx: Context):
     """The rule-agnostic inner loop (see the module docstring)."""
     B, T, H, _ = ctx.k.shape
@@ -216,6 +229,9 @@ def run_generic(level: Level, state: LevelState, ctx: Context):
     n_blocks = -(-T // block)
     pad = n_blocks * block - T
     items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
+    window = getattr(level.objective, "window", 1)
+    if window > 1:
+        items.update(windowed(items, window, ("k", "v", level.objective.gate)))
     items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
     mask = jnp.arange(T + pad) < T
     # (B, T, H, ...) -> (B, H, T, ...) so that vmaps over B then H see one memory's stream.

@@ -125,3 +125,45 @@ class MLP:
         mean = jnp.mean(h)
         var = jnp.mean((h - mean) ** 2)
         return k + (h - mean) * jax.lax.rsqrt(var + 1e-6)
+
+
+def polynomial_features(x: jax.Array, degree: int = 2) -> jax.Array:
+    """``phi(x) = [x, x^2/2!, ..., x^p/p!]`` elementwise, concatenated: ``d -> p d``."""
+    powers, term = [], jnp.ones_like(x)
+    for p in range(1, degree + 1):
+        term = term * x / p
+        powers.append(term)
+    return jnp.concatenate(powers, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Featurized:
+    """``f(phi(k))``: a memory reading polynomial features of its keys (ATLAS's ``phi``).
+
+    ``memory`` reads ``degree * d_k`` features; this memory reads keys of size ``d_k``.
+    """
+
+    memory: Any
+    degree: int = 2
+
+    def __post_init__(self):
+        _check_dims(self, degree=self.degree)
+        if self.memory.d_k % self.degree:
+            raise ValueError(
+                f"Featurized: the inner memory reads {self.memory.d_k} features, not a "
+                f"multiple of degree={self.degree}"
+            )
+
+    @property
+    def d_k(self) -> int:
+        return self.memory.d_k // self.degree
+
+    @property
+    def d_v(self) -> int:
+        return self.memory.d_v
+
+    def init(self, key: jax.Array) -> Params:
+        return self.memory.init(key)
+
+    def apply(self, params: Params, k: jax.Array) -> jax.Array:
+        return self.memory.apply(params, polynomial_features(k, self.degree))

@@ -91,6 +91,34 @@ class ErasedL2:
         return 0.5 * jnp.sum((memory.apply(params, u) - item[self.write] * item["v"]) ** 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Omega:
+    """ATLAS's Omega rule: ``sum_{i=t-c+1..t} g_i * base(f; k_i, v_i)`` over the last ``window``
+    items (Behrouz et al. 2025, "ATLAS"). ``g_i`` (gate ``gate``, in (0,1)) weighs sample ``i``
+    in every window containing it. The inner loop gives this objective windowed items:
+    ``k (c, d_k)``, ``v (c, d_v)``, ``gate (c,)``, with zero gates before the sequence start
+    (the window holds only the available samples). ``window=1`` with ``g = 1`` is ``base``.
+    """
+
+    window: int = 2
+    gate: str = "omega"
+    base: Any = L2()
+
+    def __post_init__(self):
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"Omega.window={self.window!r} must be a positive int")
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        return {self.gate: Gate("unit", init=0.9), **self.base.gates}
+
+    def __call__(self, memory, params, item) -> jax.Array:
+        def one(k, v, g):
+            return g * self.base(memory, params, {**item, "k": k, "v": v})
+
+        return jnp.sum(jax.vmap(one)(item["k"], item["v"], item[self.gate]))
+
+
 l2 = L2()
 dot = Dot()
 

@@ -40,27 +40,6 @@ import optax
 from nested import inner, memories, objectives, rules
 from nested.level import Level, LevelState
 
-MUON_COEFFS = (3.4445, -4.7750, 2.0315)
-
-
-def newton_schulz(
-    x: jax.Array, steps: int = 5, coeffs: tuple[float, float, float] = MUON_COEFFS, eps=1e-8
-) -> jax.Array:
-    """Approximate orthogonalisation ``U V^T`` of ``x = U S V^T`` (Muon, Jordan et al. 2024).
-
-    ``x (m, n)`` is scaled to unit Frobenius norm, then ``steps`` quintic iterations
-    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (on the wide orientation) push its
-    singular values towards 1.
-    """
-    a, b, c = coeffs
-    wide = x.shape[-2] <= x.shape[-1]
-    x = x if wide else jnp.swapaxes(x, -1, -2)
-    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
-    for _ in range(steps):
-        gram = x @ jnp.swapaxes(x, -1, -2)
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x if wide else jnp.swapaxes(x, -1, -2)
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorMemory:
@@ -83,7 +62,7 @@ class TensorMemory:
     def direction(self, params: Any, g: jax.Array) -> jax.Array:
         m = params["m"]
         if self.orthogonalize and m.ndim == 2:
-            return newton_schulz(m, self.ns_steps)
+            return rules.newton_schulz(m, self.ns_steps)
         return m
 
 

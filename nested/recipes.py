@@ -19,6 +19,17 @@ Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
 * ``gdn2`` (MemT Stable GDN-2): ``W_t = W_{t-1} D_t (I - u_t u_t^T) + (w_t * v_t) u_t^T``,
   ``u_t = sqrt(b_t) * k_t``, ``D_t = diag(exp(l_t))``: retain ``D_t``, then lr 1 on
   ``1/2 |W u - w * v|^2``.
+
+Neural memories (``f_theta`` an MLP; all losses ``1/2 |f(k) - v|^2``):
+
+* ``ttt_linear`` / ``ttt_mlp`` (TTT, Sun et al. 2024): ``f(k) = k + LN(f_W(k))`` with a linear
+  or two-layer (hidden 4x) ``f_W``, mini-batch SGD of lr ``lr_t`` every ``every`` tokens
+  (default 16), the dual-form read.
+* ``titans`` (Behrouz et al. 2025): ``S_t = m_t S_{t-1} - h_t grad L_t``,
+  ``theta_t = (1 - a_t) theta_{t-1} + S_t`` on an MLP of ``depth`` layers (1 = linear).
+* ``atlas`` (Behrouz et al. 2025): the Omega rule over the last ``window`` items with gates,
+  polynomial key features of ``degree``, and Muon: ``S_t = m_t S_{t-1} - grad L_t``,
+  ``theta_t = (1 - a_t) theta_{t-1} + h_t NS(S_t)``.
 """
 
 from __future__ import annotations
@@ -87,10 +98,100 @@ def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
     )
 
 
+def ttt_linear(
+    name: str = "memory", *, d_k: int, d_v: int, every: int = 16, **level_kwargs
+) -> Level:
+    """TTT-Linear: ``f(k) = k + LN(W k)``, mini-batch SGD of lr ``lr_t`` (needs d_k == d_v)."""
+    return Level(
+        name,
+        memory=memories.MLP(d_k, d_v, hidden=d_v, depth=1, residual=True),
+        objective=objectives.l2,
+        update=rules.sgd(lr="lr"),
+        every=every,
+        **level_kwargs,
+    )
+
+
+def ttt_mlp(
+    name: str = "memory",
+    *,
+    d_k: int,
+    d_v: int,
+    every: int = 16,
+    hidden: int | None = None,
+    **level_kwargs,
+) -> Level:
+    """TTT-MLP: ``f(k) = k + LN(MLP(k))``, two layers of hidden ``4 d_k``, mini-batch SGD."""
+    return Level(
+        name,
+        memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k, depth=2, residual=True),
+        objective=objectives.l2,
+        update=rules.sgd(lr="lr"),
+        every=every,
+        **level_kwargs,
+    )
+
+
+def titans(
+    name: str = "memory",
+    *,
+    d_k: int,
+    d_v: int,
+    depth: int = 2,
+    hidden: int | None = None,
+    **level_kwargs,
+) -> Level:
+    """Titans' neural memory: momentum ``m_t``, step ``h_t`` and forgetting ``a_t`` gates."""
+    memory = (
+        memories.Linear(d_k, d_v)
+        if depth == 1
+        else memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k, depth=depth)
+    )
+    return Level(
+        name,
+        memory=memory,
+        objective=objectives.l2,
+        update=rules.gradient_descent("lr", momentum="momentum", decay="decay"),
+        **level_kwargs,
+    )
+
+
+def atlas(
+    name: str = "memory",
+    *,
+    d_k: int,
+    d_v: int,
+    window: int = 4,
+    degree: int = 2,
+    depth: int = 2,
+    hidden: int | None = None,
+    ns_steps: int = 5,
+    **level_kwargs,
+) -> Level:
+    """ATLAS: Omega rule over ``window`` items, polynomial features, Muon inner optimizer."""
+    features = degree * d_k
+    inner_memory = (
+        memories.Linear(features, d_v)
+        if depth == 1
+        else memories.MLP(features, d_v, hidden=hidden or 4 * d_k, depth=depth)
+    )
+    return Level(
+        name,
+        memory=memories.Featurized(inner_memory, degree) if degree > 1 else inner_memory,
+        objective=objectives.Omega(window=window),
+        update=rules.muon("lr", momentum="momentum", decay="decay", ns_steps=ns_steps),
+        **level_kwargs,
+    )
+
+
 RULES: dict[str, Callable[..., Level]] = {
     "hebbian": hebbian,
     "delta": delta,
     "gated_delta": gated_delta,
     "falcon": falcon,
     "gdn2": gdn2,
+    "ttt_linear": ttt_linear,
+    "ttt_mlp": ttt_mlp,
+    "titans": titans,
+    "atlas": atlas,
 }

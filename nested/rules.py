@@ -159,6 +159,39 @@ def _gated_decay(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+MUON_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(
+    x: jax.Array, steps: int = 5, coeffs: tuple[float, float, float] = MUON_COEFFS, eps=1e-8
+) -> jax.Array:
+    """Approximate orthogonalisation ``U V^T`` of ``x = U S V^T`` (Muon, Jordan et al. 2024).
+
+    ``x (m, n)`` is scaled to unit Frobenius norm, then ``steps`` quintic iterations
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` (on the wide orientation) push its
+    singular values towards 1.
+    """
+    a, b, c = coeffs
+    wide = x.shape[-2] <= x.shape[-1]
+    x = x if wide else jnp.swapaxes(x, -1, -2)
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    for _ in range(steps):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else jnp.swapaxes(x, -1, -2)
+
+
+def _orthogonalized(steps: int) -> optax.GradientTransformationExtraArgs:
+    """``NS(u)`` for matrix-shaped updates (Newton-Schulz), the identity for the others."""
+
+    def update(updates, state, params=None, **gates):
+        del params, gates
+        ortho = lambda u: newton_schulz(u, steps) if u.ndim == 2 else u
+        return jax.tree.map(ortho, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
 def _gates_of(kinds: Mapping[str, Gate], **specs: GateSpec | None) -> dict[str, Gate]:
     return {spec: kinds[role] for role, spec in specs.items() if isinstance(spec, str)}
 
@@ -199,3 +232,26 @@ def gradient_descent(
 def sgd(lr: GateSpec = "lr", *, retain: str | None = None) -> UpdateRule:
     """``theta_t = a_t theta_{t-1} - lr_t grad L_t``: the delta / Hebbian / Gated DeltaNet step."""
     return gradient_descent(lr, retain=retain)
+
+
+def muon(
+    lr: GateSpec = "lr",
+    *,
+    momentum: GateSpec = "momentum",
+    decay: GateSpec | None = "decay",
+    ns_steps: int = 5,
+    gate_kinds: Mapping[str, Gate] = DEFAULT_GATES,
+) -> UpdateRule:
+    """ATLAS's inner optimizer: momentum orthogonalised by Newton-Schulz, then step and decay.
+
+    ``S_t = m_t S_{t-1} - grad L_t``, ``theta_t = (1 - d_t) theta_{t-1} + h_t NS(S_t)`` with
+    ``NS`` applied to matrix-shaped parameters (``ns_steps`` iterations; 0 is plain momentum).
+    """
+    parts = [_scale_by(1.0, -1.0), _gated_trace(momentum)]
+    if ns_steps:
+        parts.append(_orthogonalized(ns_steps))
+    parts.append(_scale_by(lr, 1.0))
+    if decay is not None:
+        parts.append(_gated_decay(decay))
+    gates = _gates_of(gate_kinds, lr=lr, momentum=momentum, decay=decay)
+    return UpdateRule(optax.chain(*parts), MappingProxyType(gates))
