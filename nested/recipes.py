@@ -13,6 +13,9 @@ Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
   ``1/2 |W k - v|^2``. With ``every=C`` it is mini-batch TTT-Linear.
 * ``gated_delta`` (Gated DeltaNet): ``W_t = a_t W_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T``:
   retain ``a_t``, then the delta step at the retained state.
+
+The linear rules attach the chunkwise-parallel ops of :mod:`nested.ops` as fast forms
+(``level.chunk`` is their compute chunk; the mini-batch delta rule uses ``ops.ttt_linear``).
 * ``falcon`` (Falcon-1): ``W_t = (1 - e_t l_t) W_{t-1} + e_t (v_t - W_{t-1} x_t) x_t^T``,
   ``e_t = b_t / (|x_t|^2 + l_t + eps)``: lr ``b_t`` on the normalised ridge loss. The layer
   provides the alignment ``x_t = k_{t-1}`` (``MemoryLayer(key_shift=True)``).
@@ -34,11 +37,82 @@ Neural memories (``f_theta`` an MLP; all losses ``1/2 |f(k) - v|^2``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-from nested import memories, objectives, rules
-from nested.level import Level
+from nested import inner, memories, objectives, ops, rules
+from nested.level import Level, LevelState
 from nested.rules import Gate
+
+
+def _fast_linear(op: Callable, *, any_period: bool = False) -> Callable:
+    """A fast form for a linear memory: ``op(level, W0, ctx) -> (o, W)`` on ``W (B, H, d_v,
+    d_k)``. Levels the op does not cover (chunk-start reads, truncated gradients, periods other
+    than 1 unless ``any_period``) run the generic path."""
+
+    def fast(level: Level, state: LevelState, ctx: inner.Context):
+        if level.read != "after_write" or level.truncate or (level.every > 1 and not any_period):
+            return inner.run_generic(level, state, ctx)
+        o, W = op(level, state.params["W"], ctx)
+        return o, state.replace(params={"W": W})
+
+    return fast
+
+
+def _hebbian_op(level, W, ctx):
+    return ops.linear_attention(ctx.q, ctx.k, ctx.v, initial_state=W, chunk_size=level.chunk)
+
+
+def _delta_op(level, W, ctx):
+    if level.every == 1:
+        return ops.delta_rule(
+            ctx.q, ctx.k, ctx.v, ctx.gates["beta"], initial_state=W, chunk_size=level.chunk
+        )
+    return ops.ttt_linear(
+        ctx.q, ctx.k, ctx.v, ctx.gates["beta"], initial_state=W, chunk_size=level.every
+    )
+
+
+def _gated_delta_op(level, W, ctx):
+    g = ctx.gates
+    return ops.gated_delta_rule(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        g["beta"],
+        log_alpha=g["log_alpha"],
+        initial_state=W,
+        chunk_size=level.chunk,
+    )
+
+
+def _falcon_op(level, W, ctx):
+    g = ctx.gates
+    return ops.falcon(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        g["beta"],
+        g[level.objective.lam],
+        eps=level.objective.eps,
+        initial_state=W,
+        chunk_size=level.chunk,
+    )
+
+
+def _gdn2_op(level, W, ctx):
+    g = ctx.gates
+    return ops.gdn2(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        g["erase"],
+        g["write"],
+        g["log_decay"],
+        initial_state=W,
+        chunk_size=level.chunk,
+        scale=1.0,
+    )
 
 
 def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
@@ -48,6 +122,7 @@ def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Leve
         memory=memories.Linear(d_k, d_v),
         objective=objectives.dot,
         update=rules.sgd(lr=1.0),
+        fast=_fast_linear(_hebbian_op, any_period=True),  # dot-product gradients ignore W
         **level_kwargs,
     )
 
@@ -59,18 +134,22 @@ def delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
         update=rules.sgd(lr="beta"),
+        fast=_fast_linear(_delta_op, any_period=True),
         **level_kwargs,
     )
 
 
 def gated_delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
-    """Gated DeltaNet: retain ``alpha_t``, then the delta step of lr ``beta_t``."""
-    gates = {**rules.DEFAULT_GATES, "retain": Gate("unit", init=0.95)}
+    """Gated DeltaNet: retain ``alpha_t = exp(log_alpha_t)``, then the delta step of lr
+    ``beta_t``. The retention is emitted in log space (``-softplus``), exact in float32 for
+    strong forgetting."""
+    gates = {**rules.DEFAULT_GATES, "retain": Gate("log_decay", init=math.log(0.95))}
     return Level(
         name,
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
-        update=rules.gradient_descent("beta", retain="alpha", gate_kinds=gates),
+        update=rules.gradient_descent("beta", retain="log_alpha", gate_kinds=gates),
+        fast=_fast_linear(_gated_delta_op),
         **level_kwargs,
     )
 
@@ -82,6 +161,7 @@ def falcon(name: str = "memory", *, d_k: int, d_v: int, eps: float = 1e-6, **lev
         memory=memories.Linear(d_k, d_v),
         objective=objectives.NormalizedRidge(eps=eps),
         update=rules.sgd(lr="beta"),
+        fast=_fast_linear(_falcon_op),
         **level_kwargs,
     )
 
@@ -94,6 +174,7 @@ def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
         memory=memories.Linear(d_k, d_v),
         objective=objectives.ErasedL2(),
         update=rules.gradient_descent(1.0, retain="log_decay", gate_kinds=decay),
+        fast=_fast_linear(_gdn2_op),
         **level_kwargs,
     )
 
