@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from nested import windows
+from nested import guards, windows
 from nested.level import LevelState
 from nested.system import NestedSystem
 
@@ -62,8 +62,9 @@ def _is_state(x) -> bool:
 class Program:
     """The compiled system; see the module docstring."""
 
-    def __init__(self, system: NestedSystem):
+    def __init__(self, system: NestedSystem, *, skip_nonfinite: bool = False):
         self.system = system
+        self.skip_nonfinite = skip_nonfinite
         outer = system.outer
         model = nnx.eval_shape(lambda: outer.memory(nnx.Rngs(0)))
         for attr in ("initial_fast",):
@@ -155,16 +156,29 @@ class Program:
         return loss, (metrics, fast)
 
     def train_step(self, state: State, batch) -> tuple[State, dict]:
-        """One step of the outermost level through every inner loop."""
+        """One step of the outermost level through every inner loop.
+
+        Metrics include ``finite/loss``, ``finite/grads`` and ``finite/<level>`` flags
+        (:mod:`nested.guards`); with ``skip_nonfinite`` a step with any non-finite quantity
+        leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
+        """
         fast = None
         if state.fast is not None:
             fast = self.start_fast(state.params, batch["inputs"].shape[0], state.fast)
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
-        (_, (metrics, fast)), grads = grad_fn(state.params, batch, fast)
+        (loss, (metrics, fast)), grads = grad_fn(state.params, batch, fast)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
+        flags = guards.health(loss, grads, fast)
+        metrics = {**metrics, **flags, "grad_norm": optax.tree.norm(grads)}
         carried = None if state.fast is None else jax.lax.stop_gradient(fast)
+        new = (params, opt_state, carried)
+        if self.skip_nonfinite:
+            ok = guards.healthy(flags)
+            old = (state.params, state.opt_state, state.fast)
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            metrics["skipped"] = 1 - ok.astype(jnp.int32)
+        params, opt_state, carried = new
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, fast=carried
         )
@@ -179,8 +193,12 @@ class Program:
         return metrics
 
 
-def compile(system: NestedSystem) -> Program:  # noqa: A001 - the design's name for it
-    """Compile ``system`` into a :class:`Program` (validates the model against the levels)."""
+def compile(system: NestedSystem, *, skip_nonfinite: bool = False) -> Program:  # noqa: A001
+    """Compile ``system`` into a :class:`Program` (validates the model against the levels).
+
+    ``skip_nonfinite``: a step whose loss, gradients or fast states are not finite keeps the
+    previous state instead of applying the update (see :mod:`nested.guards`).
+    """
     if not isinstance(system, NestedSystem):
         raise ValueError(f"compile() takes a nested.NestedSystem, got {type(system).__name__}")
-    return Program(system)
+    return Program(system, skip_nonfinite=skip_nonfinite)
