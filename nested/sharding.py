@@ -1,0 +1,128 @@
+"""Data parallelism through ``jax.sharding``: one mesh, shardings for the state and the batch.
+
+A mesh has a ``data`` axis (and optionally a ``model`` axis). Batches and every per-sequence
+fast state (memories, optimizer states of fast levels, caches: all lead with the batch dim) are
+split along ``data``; the memories' head axis (dim 1 of a ``LevelState``'s params and optimizer
+state) along ``model`` when it divides; slow parameters and their optimizer state are
+replicated, or with ``shard_params`` split along ``data`` on their largest divisible axis
+(FSDP-style). ``jit`` with these in/out shardings lets XLA insert the collectives; the
+training code is the same on 1 or N devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nested.level import LevelState
+from nested.scheduler import Program, State
+
+
+def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
+    """A ``(data, model)`` mesh over ``devices`` (default: all); ``data=None`` uses the rest."""
+    devices = list(devices if devices is not None else jax.devices())
+    if data is None:
+        data = len(devices) // model
+    if data * model != len(devices) or data < 1 or model < 1:
+        raise ValueError(
+            f"mesh: data={data} x model={model} does not match the {len(devices)} devices; "
+            f"choose sizes whose product is {len(devices)}"
+        )
+    auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates shardings through the step
+    return jax.make_mesh((data, model), ("data", "model"), axis_types=auto, devices=devices)
+
+
+def _size(mesh: Mesh, axis: str) -> int:
+    return mesh.shape[axis]
+
+
+def _fast_spec(x: jax.Array, mesh: Mesh, heads: bool) -> P:
+    if x.ndim == 0 or x.shape[0] % _size(mesh, "data"):
+        return P()
+    if heads and x.ndim > 1 and _size(mesh, "model") > 1 and x.shape[1] % _size(mesh, "model") == 0:
+        return P("data", "model")
+    return P("data")
+
+
+def _param_spec(x: jax.Array, mesh: Mesh) -> P:
+    n = _size(mesh, "data")
+    axes = [i for i in sorted(range(x.ndim), key=lambda i: -x.shape[i]) if x.shape[i] % n == 0]
+    if not axes or n == 1:
+        return P()
+    spec = [None] * x.ndim
+    spec[axes[0]] = "data"
+    return P(*spec)
+
+
+def fast_shardings(fast: Any, mesh: Mesh) -> Any:
+    """Shardings of a fast-state pytree: batch along ``data``, memory heads along ``model``."""
+
+    def of(node):
+        if isinstance(node, LevelState):
+            memory = jax.tree.map(
+                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, True)),
+                (node.params, node.opt_state),
+            )
+            cache = jax.tree.map(
+                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, False)), node.cache
+            )
+            return node.replace(params=memory[0], opt_state=memory[1], cache=cache)
+        return NamedSharding(mesh, _fast_spec(node, mesh, False))
+
+    return jax.tree.map(of, fast, is_leaf=lambda x: isinstance(x, LevelState))
+
+
+def state_shardings(state: State, mesh: Mesh, *, shard_params: bool = False) -> State:
+    """Shardings of a whole :class:`nested.State` (see the module docstring)."""
+    replicated = NamedSharding(mesh, P())
+
+    def param(x):
+        return NamedSharding(mesh, _param_spec(x, mesh)) if shard_params else replicated
+
+    return State(
+        step=replicated,
+        params=jax.tree.map(param, state.params),
+        opt_state=jax.tree.map(param, state.opt_state),
+        fast=None if state.fast is None else fast_shardings(state.fast, mesh),
+        rng=replicated,
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P("data"))
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+    n = _size(mesh, "data")
+    if batch_size % n:
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by the mesh's data axis ({n} devices); "
+            f"use a multiple of {n}"
+        )
+
+
+def place(state: State, mesh: Mesh, *, shard_params: bool = False) -> State:
+    """Put ``state`` on ``mesh`` with :func:`state_shardings`."""
+    return jax.device_put(state, state_shardings(state, mesh, shard_params=shard_params))
+
+
+def jit_steps(program: Program, state: State, mesh: Mesh, *, shard_params: bool = False):
+    """``(train_step, eval_step)`` jitted with the mesh's shardings for ``state``'s structure.
+
+    The batch goes along ``data``; the new state keeps the input state's shardings; metrics
+    come back replicated.
+    """
+    shardings = state_shardings(state, mesh, shard_params=shard_params)
+    batch = batch_sharding(mesh)
+    replicated = NamedSharding(mesh, P())
+    train = jax.jit(
+        program.train_step,
+        in_shardings=(shardings, batch),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    evaluate = jax.jit(program.eval_step, in_shardings=(shardings, batch), out_shardings=replicated)
+    return train, evaluate
