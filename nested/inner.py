@@ -88,11 +88,16 @@ def block_tokens(level: Level) -> int:
 
 
 def run(level: Level, state: LevelState, ctx: Context, *, generic: bool = False):
-    """Run a fast level over a sequence. Returns ``(o (B, T, H, d_v), final state)``."""
+    """Run a fast level over a sequence. Returns ``(o (B, T, H, d_v), final state)``.
+
+    The final state keeps the dtypes of ``state`` (the context may compute in another one).
+    """
     check_context(level, ctx)
     if level.fast is not None and not generic:
-        return level.fast(level, state, ctx)
-    return run_generic(level, state, ctx)
+        o, new = level.fast(level, state, ctx)
+    else:
+        o, new = run_generic(level, state, ctx)
+    return o, jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
 
 
 def read(level: Level, params: Any, q: jax.Array) -> jax.Array:
