@@ -73,14 +73,39 @@ class Linear:
         return params["W"] @ k
 
 
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm over the last axis without gain or bias."""
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+
+
+def mlp_forward(
+    linear: Callable[[int, jax.Array], jax.Array],
+    x: jax.Array,
+    depth: int,
+    act: Callable[[jax.Array], jax.Array],
+    residual_norm: bool = False,
+    norm_eps: float = 1e-6,
+) -> jax.Array:
+    """The MLP memory network with each layer's affine map given by ``linear(layer, input)``:
+    ``f(x) = L_depth(act(... act(L_1 x)))``, or ``x + LN(f(x))`` with ``residual_norm``.
+    Shared by :class:`MLP` and the chunked ops (:mod:`nested.ops.mlp_memory`)."""
+    u = x
+    for layer in range(depth):
+        z = linear(layer, u)
+        u = act(z) if layer < depth - 1 else z
+    return x + layer_norm(u, norm_eps) if residual_norm else u
+
+
 @dataclasses.dataclass(frozen=True)
 class MLP:
     """Neural memory ``f_theta(k) = W_L s(... s(W_1 k))`` of ``depth`` layers (Type II).
 
-    Hidden width ``hidden``; weights ``W1 (hidden, d_k)``, ..., ``W{depth} (d_v, hidden)``, no
-    biases. ``residual=True`` gives the TTT form ``f(k) = k + LN(MLP(k))`` (needs d_k == d_v);
-    the LayerNorm has no learned scale here, scale and shift belong to the owner.
-    Initialisation: ``W_i ~ N(0, 1/fan_in)``.
+    Hidden width ``hidden``; parameters are a tuple of layers ``({"w": (hidden, d_k)}, ...,
+    {"w": (d_v, hidden)})``, no biases (the layout of :mod:`nested.ops.mlp_memory`, so a level's
+    state feeds the chunked ops directly). ``residual=True`` gives the TTT form
+    ``f(k) = k + LN(MLP(k))`` (needs d_k == d_v); the LayerNorm has no learned gain, scale
+    and shift belong to the owner. Initialisation: ``W_i ~ N(0, 1/fan_in)``.
     """
 
     d_k: int
@@ -108,23 +133,19 @@ class MLP:
 
     def init(self, key: jax.Array) -> Params:
         keys = jax.random.split(key, self.depth)
-        return {
-            f"W{i + 1}": jax.random.normal(k, shape) / jnp.sqrt(shape[1])
-            for i, (k, shape) in enumerate(zip(keys, self.shapes, strict=True))
-        }
+        return tuple(
+            {"w": jax.random.normal(k, shape) / jnp.sqrt(shape[1])}
+            for k, shape in zip(keys, self.shapes, strict=True)
+        )
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
-        act = ACTIVATIONS[self.activation]
-        h = k
-        for i in range(self.depth):
-            h = params[f"W{i + 1}"] @ h
-            if i < self.depth - 1:
-                h = act(h)
-        if not self.residual:
-            return h
-        mean = jnp.mean(h)
-        var = jnp.mean((h - mean) ** 2)
-        return k + (h - mean) * jax.lax.rsqrt(var + 1e-6)
+        return mlp_forward(
+            lambda layer, u: params[layer]["w"] @ u,
+            k,
+            self.depth,
+            ACTIVATIONS[self.activation],
+            self.residual,
+        )
 
 
 def polynomial_features(x: jax.Array, degree: int = 2) -> jax.Array:

@@ -81,9 +81,8 @@ class RowMLP:
 
     def init_like(self, leaf: jax.Array, key: jax.Array) -> Any:
         n = leaf.shape[-1] if leaf.ndim else 1
-        params = self._mlp(n).init(key)
-        last = f"W{self.depth}"
-        return {**params, last: jnp.zeros_like(params[last])}
+        *first, last = self._mlp(n).init(key)
+        return (*first, {"w": jnp.zeros_like(last["w"])})
 
     def apply(self, params: Any, g: jax.Array) -> jax.Array:
         rows = g.reshape(-1, g.shape[-1] if g.ndim else 1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 from nested import inner, memories, objectives, ops, rules
 from nested.level import Level, LevelState
@@ -115,6 +116,101 @@ def _gdn2_op(level, W, ctx):
     )
 
 
+def _layers(params) -> tuple:
+    """Memory parameters in the layer layout of the neural ops: ``({"w": W}, ...)``."""
+    return ({"w": params["W"]},) if isinstance(params, dict) else tuple(params)
+
+
+def _like(layers: tuple, params):
+    return {"W": layers[0]["w"]} if isinstance(params, dict) else tuple(layers)
+
+
+def _network(memory) -> dict:
+    """The ops' description of an MLP memory (a Linear memory is a one-layer MLP)."""
+    if isinstance(memory, memories.Featurized):
+        memory = memory.memory
+    if isinstance(memory, memories.MLP):
+        return {"activation": memory.activation, "residual_norm": memory.residual}
+    return {}
+
+
+def _fast_neural(op: Callable, *, reads=("after_write", "chunk_start")) -> Callable:
+    """A fast form for a neural memory, ``op(level, params, momentum, ctx) -> (o, params,
+    momentum)`` with the ops' layer layout; truncated levels and reads the op lacks run the
+    generic path."""
+
+    def fast(level: Level, state: LevelState, ctx: inner.Context):
+        if level.truncate or level.read not in reads:
+            return inner.run_generic(level, state, ctx)
+        opt_state = state.opt_state  # the chain state of gradient_descent / muon
+        momentum = opt_state[1].trace if len(opt_state) > 1 else None  # their momentum trace
+        o, params, momentum = op(
+            level, _layers(state.params), None if momentum is None else _layers(momentum), ctx
+        )
+        if momentum is not None:
+            trace = type(opt_state[1])(_like(momentum, state.params))
+            opt_state = (*opt_state[:1], trace, *opt_state[2:])
+        return o, state.replace(params=_like(params, state.params), opt_state=opt_state)
+
+    return fast
+
+
+def _ttt_op(level, params, momentum, ctx):
+    o, params = ops.ttt_mlp(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        ctx.gates["lr"],
+        params=params,
+        chunk_size=level.every,
+        **_network(level.memory),
+    )
+    return o, params, momentum
+
+
+def _titans_op(level, params, momentum, ctx):
+    g = ctx.gates
+    o, state = ops.titans(
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        g["lr"],
+        g["momentum"],
+        g["decay"],
+        state=ops.titans_state(params, momentum),
+        chunk_size=level.every,
+        read=level.read,
+        **_network(level.memory),
+    )
+    return o, state.params, state.momentum
+
+
+def _atlas_op(ns_steps: int) -> Callable:
+    def op(level, params, momentum, ctx):
+        g, memory = ctx.gates, level.memory
+        degree = memory.degree if isinstance(memory, memories.Featurized) else 1
+        phi = None if degree == 1 else partial(memories.polynomial_features, degree=degree)
+        o, state = ops.atlas(
+            ctx.q,
+            ctx.k,
+            ctx.v,
+            g["lr"],
+            g["momentum"],
+            g["decay"],
+            g[level.objective.gate],
+            state=(params, momentum),
+            window=level.objective.window,
+            chunk_size=level.every,
+            feature_map=phi,
+            muon_steps=ns_steps,
+            read=level.read,
+            **_network(memory),
+        )
+        return o, state.params, state.momentum
+
+    return op
+
+
 def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
     """Linear attention: one step of lr 1 on ``-<W k, v>`` per token."""
     return Level(
@@ -189,6 +285,7 @@ def ttt_linear(
         objective=objectives.l2,
         update=rules.sgd(lr="lr"),
         every=every,
+        fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
     )
 
@@ -209,6 +306,7 @@ def ttt_mlp(
         objective=objectives.l2,
         update=rules.sgd(lr="lr"),
         every=every,
+        fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
     )
 
@@ -233,6 +331,7 @@ def titans(
         memory=memory,
         objective=objectives.l2,
         update=rules.gradient_descent("lr", momentum="momentum", decay="decay"),
+        fast=_fast_neural(_titans_op),
         **level_kwargs,
     )
 
@@ -261,6 +360,7 @@ def atlas(
         memory=memories.Featurized(inner_memory, degree) if degree > 1 else inner_memory,
         objective=objectives.Omega(window=window),
         update=rules.muon("lr", momentum="momentum", decay="decay", ns_steps=ns_steps),
+        fast=_fast_neural(_atlas_op(ns_steps)),
         **level_kwargs,
     )
 

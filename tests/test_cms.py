@@ -109,14 +109,16 @@ def test_meta_gradients_reach_every_level_and_equal_finite_differences():
     loss = jax.jit(loss)
     eps = 1e-6
     for j in range(n):
-        for name, index in [("W1", (0, 0)), ("W2", (3, 5))]:
-            assert grads[j][name][index] != 0
-            plus = [dict(t) for t in thetas]
-            minus = [dict(t) for t in thetas]
-            plus[j][name] = plus[j][name].at[index].add(eps)
-            minus[j][name] = minus[j][name].at[index].add(-eps)
-            fd = (loss(plus) - loss(minus)) / (2 * eps)
-            np.testing.assert_allclose(grads[j][name][index], fd, rtol=1e-6, atol=1e-10)
+        for layer, index in [(0, (0, 0)), (1, (3, 5))]:
+            assert grads[j][layer]["w"][index] != 0
+
+            def moved(delta, j=j, layer=layer, index=index):
+                out = [list(t) for t in thetas]
+                out[j][layer] = {"w": out[j][layer]["w"].at[index].add(delta)}
+                return [tuple(t) for t in out]
+
+            fd = (loss(moved(eps)) - loss(moved(-eps))) / (2 * eps)
+            np.testing.assert_allclose(grads[j][layer]["w"][index], fd, rtol=1e-6, atol=1e-10)
 
 
 def test_sequence_length_must_be_a_multiple_of_the_window():

@@ -29,24 +29,29 @@ def context(level, T, seed=0):
 
 def compare(level, T, rtol=1e-9):
     ctx = context(level, T)
-    W0 = 0.3 * jax.random.normal(jax.random.key(9), (B, H, level.memory.d_v, level.memory.d_k))
-    state = inner.initial_state(level, {"W": W0})
+    keys = jax.random.split(jax.random.key(9), B * H)
+    W0 = jax.tree.map(
+        lambda p: 0.5 * p.reshape(B, H, *p.shape[1:]), jax.vmap(level.memory.init)(keys)
+    )
+    state = inner.initial_state(level, W0)
+    # a non-zero momentum (or other optimizer state) at the start, where the rule has one
+    state = state.replace(opt_state=jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), state.opt_state))
 
     def path(generic):
         def f(ctx, W0):
-            o, final = inner.run(level, state.replace(params={"W": W0}), ctx, generic=generic)
-            return o, final.params["W"]
+            o, final = inner.run(level, state.replace(params=W0), ctx, generic=generic)
+            return o, (final.params, final.opt_state)
 
         return f
 
     fast, generic = path(False), path(True)
-    for a, b in zip(fast(ctx, W0), generic(ctx, W0), strict=True):
+    for a, b in zip(jax.tree.leaves(fast(ctx, W0)), jax.tree.leaves(generic(ctx, W0)), strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-11)
 
     def functional(f):
         def loss(ctx, W0):
-            o, W = f(ctx, W0)
-            return jnp.sum(jnp.sin(o)) + jnp.sum(W**2)
+            o, final = f(ctx, W0)
+            return jnp.sum(jnp.sin(o)) + sum(jnp.sum(x**2) for x in jax.tree.leaves(final))
 
         return jax.grad(loss, argnums=(0, 1))(ctx, W0)
 
@@ -67,6 +72,23 @@ def test_linear_rule_generic_path_equals_its_op(rule, T, chunk):
 @pytest.mark.parametrize("every", [4, 5])
 def test_minibatch_delta_is_ttt_linear(every):
     compare(nl.recipes.delta(d_k=DK, d_v=DV, every=every), 13)
+
+
+NEURAL = [
+    ("ttt_linear", {"every": 4}),
+    ("ttt_mlp", {"every": 4, "hidden": 5}),
+    ("titans", {"depth": 1, "every": 1}),
+    ("titans", {"depth": 2, "hidden": 5, "every": 4}),
+    ("titans", {"depth": 2, "hidden": 5, "every": 4, "read": "chunk_start"}),
+    ("atlas", {"window": 3, "degree": 2, "depth": 2, "hidden": 5, "ns_steps": 0, "every": 4}),
+    ("atlas", {"window": 2, "degree": 1, "depth": 1, "ns_steps": 2, "every": 1}),
+]
+
+
+@pytest.mark.parametrize(("rule", "kwargs"), NEURAL)
+def test_neural_rule_generic_path_equals_its_op(rule, kwargs):
+    d = kwargs.pop("d", 3)
+    compare(nl.recipes.RULES[rule](d_k=d, d_v=d, **kwargs), 11, rtol=1e-8)
 
 
 def test_fast_forms_fall_back_where_the_op_does_not_apply():

@@ -1,0 +1,182 @@
+"""Forward+backward throughput of the Type II ops (TTT-MLP, Titans, ATLAS) on this machine.
+
+    .venv/bin/python benchmarks/neural_throughput.py [--T 1024] [--runs 5] [--peers]
+
+Prints one markdown table. Shapes: B=4, H=4, d_k=d_v=64, depth-2 memory 64 -> 256 -> 64 per
+head, float32. tokens/s = B*T / median seconds after a warm-up call, for the jitted forward
+(loss = sum of outputs) and forward+backward (gradient w.r.t. q, k, v, every gate and the
+initial state). ``bwd/fwd`` is the cost of forward+backward over the forward alone; ``temp MB``
+the compiled forward+backward's temporary memory. ``C=1`` rows are the per-token recurrence.
+The 2048^2 float32 matmul rate, measured in the same run, puts the rows in proportion.
+
+ATLAS rows use window 4 and degree-2 polynomial key features (memory input 128). With Muon
+(5 Newton-Schulz steps) every token orthogonalises its two momentum matrices, about 50 MFLOP per
+token and head, so those rows run on a shorter sequence (--muon-T).
+
+--peers runs /work/shared/peers/bench_peers.py (titans-pytorch NeuralMemory, depth-2 MLP memory,
+chunk-start reads) with the interpreter ``bash /work/shared/peers/setup.sh`` prints, and adds
+its rows with our ratio against them. Compare only within one run: the machine is shared.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nested import ops
+
+B, H, D, HIDDEN = 4, 4, 64, 256
+PEERS = "/work/shared/peers"
+
+
+def median_seconds(fn, args, runs):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops():
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
+    return 2 * 2048**3 / median_seconds(jax.jit(lambda a: a @ a), (a,), 7) / 1e9
+
+
+def inputs(t, d_k):
+    rng = np.random.default_rng(0)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    gate = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, (B, t, H)), jnp.float32)
+    k = normal(B, t, H, d_k)
+    return {
+        "q": normal(B, t, H, d_k),
+        "k": k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+        "v": normal(B, t, H, D),
+        "lr": gate(0.01, 0.1),
+        "momentum": gate(0.8, 0.95),
+        "decay": gate(0.0, 0.05),
+        "gates": gate(0.5, 1.0),
+    }
+
+
+def memory(d_in):
+    return ops.init_mlp_memory(
+        jax.random.key(0), batch=B, heads=H, d_in=d_in, d_out=D, hidden=HIDDEN
+    )
+
+
+def case(op, chunk, t, **config):
+    """(loss(x, state), x, state) for one op; x holds the sequence and its gates."""
+    if op == "ttt_mlp":
+        x = {n: y for n, y in inputs(t, D).items() if n in ("q", "k", "v", "lr")}
+
+        def loss(x, state):
+            return ops.ttt_mlp(**x, params=state, chunk_size=chunk)[0].sum()
+
+        return loss, x, memory(D)
+    if op == "titans":
+        x = {n: y for n, y in inputs(t, D).items() if n != "gates"}
+
+        def loss(x, state):
+            return ops.titans(**x, state=state, chunk_size=chunk, **config)[0].sum()
+
+        return loss, x, ops.titans_state(memory(D))
+    x = inputs(t, D)
+    window = 4
+
+    def loss(x, state):
+        o, _ = ops.atlas(
+            **x, state=state, window=window, chunk_size=chunk,
+            feature_map=ops.polynomial_features, **config,
+        )  # fmt: skip
+        return o.sum()
+
+    return loss, x, ops.atlas_state(memory(2 * D), window=window, d_k=D)
+
+
+def measure(op, chunk, t, runs, **config):
+    loss, x, state = case(op, chunk, t, **config)
+    fwd = jax.jit(loss)
+    both = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    temp = both.lower(x, state).compile().memory_analysis().temp_size_in_bytes
+    t_fwd = median_seconds(fwd, (x, state), runs)
+    t_both = median_seconds(both, (x, state), runs)
+    return {"fwd": B * t / t_fwd, "fwd_bwd": B * t / t_both, "ratio": t_both / t_fwd, "temp": temp}
+
+
+def peer_rows(t, runs):
+    setup = subprocess.run(
+        ["bash", f"{PEERS}/setup.sh"], capture_output=True, text=True, check=True
+    )
+    python = setup.stdout.strip().splitlines()[-1]
+    out = subprocess.run(
+        [python, f"{PEERS}/bench_peers.py", "--T", str(t), "--runs", str(runs)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--muon-T", type=int, default=32, help="sequence length of Muon rows")
+    parser.add_argument("--peers", action="store_true", help="also run titans-pytorch")
+    parser.add_argument("--only", default="", help="run only rows whose label contains this")
+    args = parser.parse_args()
+    t = args.T
+    rows = [  # label, op, chunk, T, config
+        *[(f"TTT-MLP C={c}", "ttt_mlp", c, t, {}) for c in (16, 64, 1)],
+        *[(f"Titans C={c}", "titans", c, t, {}) for c in (16, 64, 1)],
+        *[
+            (f"Titans chunk-start read C={c}", "titans", c, t, {"read": "chunk_start"})
+            for c in (16, 64, 1)
+        ],
+        *[(f"ATLAS C={c}", "atlas", c, t, {}) for c in (16, 64, 1)],
+        *[(f"ATLAS+Muon(5) C={c}", "atlas", c, args.muon_T, {"muon_steps": 5}) for c in (16, 1)],
+    ]
+    rows = [row for row in rows if args.only in row[0]]
+    gflops = matmul_gflops()
+    results = {}
+    for label, op, chunk, length, config in rows:
+        start = time.perf_counter()
+        results[label] = measure(op, chunk, length, args.runs, **config)
+        print(f"{label}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    peers = peer_rows(t, args.runs) if args.peers else None
+
+    print(f"\nB={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32, {jax.devices()[0]},", end="")
+    print(f" jax {jax.__version__}; 2048^2 matmul: {gflops:.0f} GFLOP/s (JAX)", end="")
+    print(f", {peers['torch_matmul_gflops']:.0f} GFLOP/s (torch)" if peers else "")
+    print()
+    print("| row | T | fwd tok/s | fwd+bwd tok/s | bwd/fwd | temp MB | vs per-token |")
+    print("| --- | --: | --: | --: | --: | --: | --: |")
+    for label, _, _, length, _ in rows:
+        r = results[label]
+        base = results.get(label.rsplit("C=", 1)[0] + "C=1")
+        speedup = f"{r['fwd_bwd'] / base['fwd_bwd']:.1f}x" if base else "-"
+        print(
+            f"| {label} | {length} | {r['fwd']:.0f} | {r['fwd_bwd']:.0f} | {r['ratio']:.2f} | "
+            f"{r['temp'] / 2**20:.0f} | {speedup} |"
+        )
+    if peers:
+        print("\n| titans-pytorch (fwd+bwd) | tok/s | ours after-write | ratio | ours chunk-start |"
+              " ratio |")  # fmt: skip
+        print("| --- | --: | --: | --: | --: | --: |")
+        for c in (16, 64):
+            theirs = peers["tokens_per_s"][f"titans_depth2_C{c}"]
+            cells = []
+            for label in (f"Titans C={c}", f"Titans chunk-start read C={c}"):
+                ours = results.get(label, {}).get("fwd_bwd")
+                cells += [f"{ours:.0f}", f"{ours / theirs:.1f}x"] if ours else ["-", "-"]
+            print(f"| C={c} | {theirs:.0f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

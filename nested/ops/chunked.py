@@ -1,0 +1,303 @@
+"""The delta-rule family of linear memories: one per-token scan and one chunkwise-parallel kernel.
+
+Every linear memory of :mod:`nested.ops` (Hebbian, delta, gated delta, Falcon-1/2/3, GDN-2,
+TTT-Linear) is an instance of one recurrence on a value-by-key state ``W (d_v, d_k)`` per batch
+element and head. Token ``t`` writes ``c`` key/value slots ``(k_{t,m}, v_{t,m})`` (``c = 1``
+except for Falcon-3's sliding window):
+
+    W_t = Dec_t(W_{t-1}) + sum_m (v_{t,m} - beta_t * Dec'_t(W_{t-1}) k_{t,m}) k_{t,m}^T
+    o_t = W_t q_t
+
+``Dec_t`` multiplies by ``gamma_t = exp(log_decay_t)``: a scalar per head ``(B, T, H)``, one
+factor per row ``(B, T, H, d_v)`` (Falcon-2) or per key column ``(B, T, H, d_k)`` (GDN-2,
+``key_decay=True``). ``Dec'_t = Dec_t`` when ``erase_after_decay`` (gated delta:
+``a W (I - b k k^T)``) and the identity otherwise (Falcon: ``(1 - e l) W - e (W x) x^T``).
+``beta`` is a scalar per head or one per value row; ``beta=None`` drops the erase term
+(Hebbian). Values are passed already scaled by their write strength.
+
+Chunkwise form (``exact=True``). In a chunk starting at state ``S`` with in-chunk cumulative
+log-decay ``g_t`` (``g^e_t`` the same up to the erase point), the state is
+``W_t = S Gamma_t + sum_{j<=t} u_j (k_j Gamma_t / Gamma_j)^T`` with pseudo-values ``u`` solving
+the unit lower-triangular system
+
+    u_t + sum_{j<t} beta_t <k_t, k_j>_{exp(g^e_t - g_j)} u_j = v_t - beta_t S (exp(g^e_t) k_t)
+
+(``<a, b>_w`` = sum over key dims of ``a b w``; rows ``t, j`` are slots, strictly earlier
+tokens couple). ``(I + A)^{-1}`` is formed by block doubling (:mod:`nested.ops.triangular`), then
+outputs ``o_t = S (exp(g_t) q_t) + sum_{j<=t} <q_t, k_j>_{exp(g_t - g_j)} u_j`` and the next state
+are masked matmuls. Every decay factor is an ``exp`` of a non-positive log-difference taken inside
+the chunk, so strong decays underflow to 0 where the true factor does instead of overflowing;
+key-wise decays split those factors at sub-block starts to keep the inner products matmuls
+(:func:`_key_decayed_gram`). Only the state carry between chunks is sequential (a ``lax.scan``)
+and each chunk step is rematerialised (``jax.checkpoint``), so the backward pass stores one state
+per chunk and nothing per token: temporary memory grows linearly in ``T``. With ``exact=False``
+the coupling ``A`` is dropped: every prediction reads the chunk-start state (mini-batch TTT's
+dual form), so there the chunk size is semantic.
+
+References: Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length" (WY/UT form); Yang, Kautz & Hatamizadeh 2025 (gated delta rule); Yang et al.
+2024, "Gated Linear Attention" (secondary chunking for key-wise decays).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nested.ops.triangular import unit_lower_inverse
+
+# Chunk lengths of ``chunk_size=None``: the fastest exact ones on XLA:CPU (2 cores), measured
+# with benchmarks/ops_throughput.py --chunks (B=4, H=4, d=64, T=4096). Without an erase term
+# (Hebbian) a chunk is a few matmuls and longer chunks win; 16 to 64 are within noise of each
+# other for scalar gates (32 also keeps memory low); per-row gates (Falcon-2) repeat the (L, L)
+# work for every value row and key-wise decays (GDN-2) form pairwise factors, so both prefer
+# short chunks.
+DEFAULT_CHUNK_HEBBIAN = 64
+DEFAULT_CHUNK = 32
+DEFAULT_CHUNK_ROW_GATES = 16
+DEFAULT_CHUNK_KEY_DECAY = 16
+SUB_BLOCK = 4  # tokens per sub-block of key-wise decays (pairwise inside, matmuls across)
+
+
+def default_chunk_size(
+    *, erase: bool = True, row_gates: bool = False, key_decay: bool = False, slots: int = 1
+) -> int:
+    """The chunk length ``chunk_size=None`` resolves to; ``slots`` key/value slots per token
+    multiply the rows of a chunk, so the chunk is shortened by that factor."""
+    if not erase:
+        size = DEFAULT_CHUNK_HEBBIAN
+    elif key_decay:
+        size = DEFAULT_CHUNK_KEY_DECAY
+    elif row_gates:
+        size = DEFAULT_CHUNK_ROW_GATES
+    else:
+        size = DEFAULT_CHUNK
+    return max(1, size // slots)
+
+
+def delta_family(
+    q,
+    k,
+    v,
+    beta,
+    log_decay,
+    *,
+    key_decay: bool = False,
+    erase_after_decay: bool = True,
+    exact: bool = True,
+    initial_state=None,
+    chunk_size: int,
+):
+    """Runs the general rule of this module over a sequence.
+
+    Args:
+      q: ``(B, T, H, d_k)`` queries (already multiplied by the read scale).
+      k: ``(B, T, H, c, d_k)`` keys, ``c`` slots per token.
+      v: ``(B, T, H, c, d_v)`` write-scaled values.
+      beta: ``None``, ``(B, T, H)`` or ``(B, T, H, d_v)`` erase strengths.
+      log_decay: ``None``, ``(B, T, H)``, ``(B, T, H, d_v)`` or, with ``key_decay``,
+        ``(B, T, H, d_k)`` log retention factors (``<= 0`` for a contraction).
+      key_decay: whether ``log_decay`` runs over key columns instead of value rows.
+      erase_after_decay: whether the erase term reads the decayed state.
+      exact: ``False`` gives mini-batch semantics (predictions read the chunk-start state).
+      initial_state: ``None`` (zeros) or ``(B, H, d_v, d_k)``.
+      chunk_size: tokens per chunk; 1 runs the per-token ``lax.scan``.
+
+    Returns:
+      ``o (B, T, H, d_v)`` and the final state ``(B, H, d_v, d_k)``, in the inputs' dtype.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    dtype = jnp.result_type(q, k, v)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    # Scalar gates become one-row gates so that scalar and per-row gates share every formula.
+    beta = None if beta is None else _as_rows(beta.astype(dtype))
+    log_decay = None if log_decay is None else _as_rows(log_decay.astype(dtype))
+    state = jnp.zeros((b, h, dv, dk), dtype) if initial_state is None else initial_state
+    state = state.astype(dtype)
+    if chunk_size == 1:
+        step = functools.partial(_token_step, key_decay=key_decay, after=erase_after_decay)
+        xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), (q, k, v, beta, log_decay))
+        state, o = jax.lax.scan(step, state, xs)
+        return jnp.moveaxis(o, 0, 1), state
+    size = min(chunk_size, t)
+    step = functools.partial(
+        _chunk_step,
+        slots=k.shape[-2],
+        key_decay=key_decay,
+        after=erase_after_decay,
+        exact=exact,
+    )
+    xs = jax.tree.map(
+        lambda x: _to_chunks(x, size), (q, _merge_slots(k), _merge_slots(v), beta, log_decay)
+    )
+    state, o = jax.lax.scan(jax.checkpoint(step), state, xs)
+    o = jnp.moveaxis(o, 0, 2)  # (B, H, N, C, d_v)
+    o = o.reshape(b, h, -1, dv)[:, :, :t]
+    return jnp.swapaxes(o, 1, 2), state
+
+
+def _as_rows(gate):
+    return gate[..., None] if gate.ndim == 3 else gate
+
+
+def _merge_slots(x):
+    """(B, T, H, c, d) -> (B, T, H, c * d) so that chunking moves whole tokens."""
+    return x.reshape(x.shape[:3] + (-1,))
+
+
+def _to_chunks(x, size):
+    """(B, T, H, d) -> (N, B, H, C, d), padding T with inert zeros (no write, no decay)."""
+    b, t, h, d = x.shape
+    n = -(-t // size)
+    x = jnp.pad(x, ((0, 0), (0, n * size - t), (0, 0), (0, 0)))
+    return jnp.transpose(x.reshape(b, n, size, h, d), (1, 0, 3, 2, 4))
+
+
+def _token_step(state, xs, *, key_decay, after):
+    """One token of the general rule, written as the equation (the ``chunk_size=1`` path)."""
+    q, k, v, beta, log_decay = xs  # (B, H, d_k), (B, H, c, d_k), (B, H, c, d_v), (B, H, R)
+    decayed = state
+    if log_decay is not None:
+        gamma = jnp.exp(log_decay)
+        decayed = state * (gamma[..., None, :] if key_decay else gamma[..., :, None])
+    if beta is not None:
+        read = decayed if after else state
+        v = v - beta[..., None, :] * jnp.einsum("...vk,...mk->...mv", read, k)
+    state = decayed + jnp.einsum("...mv,...mk->...vk", v, k)
+    return state, jnp.einsum("...vk,...k->...v", state, q)
+
+
+def _broadcast_mask(mask, ndim):
+    return mask[(None,) * (ndim - mask.ndim)]
+
+
+def _masked_exp(log_ratio, mask):
+    """``exp`` where ``mask`` holds, exactly 0 elsewhere, with zero gradient off the mask."""
+    mask = _broadcast_mask(mask, log_ratio.ndim)
+    return jnp.where(mask, jnp.exp(jnp.where(mask, log_ratio, 0.0)), 0.0)
+
+
+def _key_decayed_gram(a, b, log_a, log_b, block_start, mask):
+    """``G_{rl} = sum_d a_{r,d} b_{l,d} exp(log_a_{r,d} - log_b_{l,d})`` on ``mask``, else 0.
+
+    Rows ``a (..., R, d)`` and columns ``b (..., L, d)`` are grouped by token into sub-blocks
+    whose first tokens have the exclusive cumulative log-decays ``block_start (..., n, d)``; the
+    mask is causal, so a row only meets columns of its own or earlier sub-blocks. Between a row
+    of block I and a column of an earlier block J the decay splits at the block starts,
+    ``exp(log_a - s_I) exp(s_I - s_J) exp(s_J - log_b)``, into three factors ``<= 1`` and the
+    sum is a matmul; inside a sub-block it is formed pairwise, (r, l, d) at a time. No factor
+    exceeds 1, so arbitrarily strong decays cannot overflow.
+    """
+    n = block_start.shape[-2]
+    rows, cols = a.shape[-2] // n, b.shape[-2] // n  # rows and columns per sub-block
+    blocked = lambda x, size: x.reshape(x.shape[:-2] + (n, size, x.shape[-1]))
+    earlier = np.tril(np.ones((n, n), bool), -1)  # block J < block I
+    left = blocked(a * jnp.exp(log_a - jnp.repeat(block_start, rows, axis=-2)), rows)
+    right = blocked(b * jnp.exp(jnp.repeat(block_start, cols, axis=-2) - log_b), cols)
+    between = _masked_exp(
+        block_start[..., :, None, :] - block_start[..., None, :, :], earlier[:, :, None]
+    )  # (..., I, J, d)
+    right = (between[..., :, :, None, :] * right[..., None, :, :, :]).reshape(
+        block_start.shape[:-2] + (n, b.shape[-2], b.shape[-1])
+    )  # (..., I, L, d): zero for the columns of blocks J >= I
+    across = (left @ jnp.swapaxes(right, -1, -2)).reshape(a.shape[:-1] + (b.shape[-2],))
+    pairwise = _masked_exp(
+        blocked(log_a, rows)[..., :, None, :] - blocked(log_b, cols)[..., None, :, :],
+        mask[:rows, :cols, None],
+    )  # (..., n, rows, cols, d), the same causal pattern in every sub-block
+    # A fused multiply-sum: as an einsum its gradient needs large transposes.
+    products = blocked(a, rows)[..., :, None, :] * blocked(b, cols)[..., None, :, :]
+    within = jnp.sum(products * pairwise, axis=-1)
+    place = np.eye(n, dtype=within.dtype)[:, None, :, None]  # block-diagonal placement
+    within = within[..., :, :, None, :] * _broadcast_mask(place, within.ndim + 1)
+    return across + within.reshape(across.shape)
+
+
+def _sub_block(size):
+    """Tokens per sub-block of key-wise decays: the largest divisor of the chunk <= SUB_BLOCK."""
+    return max(d for d in range(1, min(size, SUB_BLOCK) + 1) if size % d == 0)
+
+
+def _apply_rows(matrix, x):
+    """``matrix (..., R, M, L)`` times ``x (..., L, d_v)``: one matrix for all value rows when
+    ``R == 1``, else matrix ``i`` acts on value row ``i``."""
+    if matrix.shape[-3] == 1:
+        return matrix[..., 0, :, :] @ x
+    # One small matrix per value row: a fused multiply-sum beats per-row dots on XLA:CPU.
+    return jnp.swapaxes(jnp.sum(matrix * jnp.swapaxes(x, -1, -2)[..., :, None, :], axis=-1), -1, -2)
+
+
+def _chunk_step(state, xs, *, slots, key_decay, after, exact):
+    """One chunk of the general rule: masked matmuls and one triangular inverse per chunk."""
+    q, k, v, beta, log_decay = xs  # (B, H, C, d_k), (B, H, C, c d_k), (B, H, C, c d_v), gates
+    size, dk = q.shape[-2:]
+    k = k.reshape(k.shape[:-2] + (size * slots, dk))  # row r of a chunk is token r // slots
+    v = v.reshape(k.shape[:-1] + (-1,))
+    length = k.shape[-2]
+    token = np.arange(length) // slots  # static masks: constants of the program
+    causal = np.arange(size)[:, None] >= token[None, :]  # (C, L): query t sees rows of tokens <= t
+    strict = token[:, None] > token[None, :]  # (L, L): a row is erased by rows of earlier tokens
+
+    def rows(x, axis=-2):  # per token -> per row (slot)
+        return x if slots == 1 else jnp.repeat(x, slots, axis=axis)
+
+    erase = beta is not None
+    k_t = jnp.swapaxes(k, -1, -2)
+
+    # Decay factors between positions, (..., R, C, L) for queries and (..., R, L, L) for erases;
+    # R = 1 (shared by all value rows) or d_v (Falcon-2). Key-wise decays fold them into the
+    # inner products instead.
+    q_read, k_erase, strength = q, k, beta
+    if log_decay is None:
+        scores = _broadcast_mask(causal, q.ndim) * (q @ k_t)
+        coupling = _broadcast_mask(strict, k.ndim) * (k @ k_t) if erase else None
+        scores, coupling = _add_row_axis(scores), _add_row_axis(coupling)
+    else:
+        g = jnp.cumsum(log_decay, axis=-2)  # (..., C, R or d_k), log Gamma_t
+        g_erase = g if after else g - log_decay
+        if key_decay:
+            q_read, k_erase = jnp.exp(g) * q, jnp.exp(rows(g_erase)) * k
+            sub = _sub_block(size)
+            start = (g - log_decay)[..., ::sub, :]  # exclusive cumulative decay at sub-block starts
+            scores = _key_decayed_gram(q, k, g, rows(g), start, causal)
+            scores = _add_row_axis(scores)
+            if erase:
+                coupling = _key_decayed_gram(k, k, rows(g_erase), rows(g), start, strict)
+                coupling = _add_row_axis(coupling)
+        else:
+            g_cols = rows(jnp.swapaxes(g, -1, -2)[..., None, :], axis=-1)  # (..., R, 1, L)
+            g_t = jnp.swapaxes(g, -1, -2)[..., :, None]  # (..., R, C, 1)
+            scores = _masked_exp(g_t - g_cols, causal) * _add_row_axis(q @ k_t)
+            if erase:
+                ge_t = rows(jnp.swapaxes(g_erase, -1, -2), axis=-1)[..., :, None]
+                coupling = _masked_exp(ge_t - g_cols, strict) * _add_row_axis(k @ k_t)
+                strength = beta * jnp.exp(g_erase)
+
+    # Reads of the chunk-start state by the erase terms and by the queries, in one matmul.
+    reads = jnp.concatenate([k_erase, q_read], axis=-2) @ jnp.swapaxes(state, -1, -2)
+    k_state, q_state = reads[..., :length, :], reads[..., length:, :]
+    u = v
+    if erase:
+        u = v - rows(strength) * k_state
+        if exact:
+            coupling = jnp.swapaxes(rows(beta), -1, -2)[..., :, :, None] * coupling
+            u = _apply_rows(unit_lower_inverse(coupling), u)
+    if log_decay is not None and not key_decay:
+        q_state = jnp.exp(g) * q_state
+    o = q_state + _apply_rows(scores, u)
+
+    if log_decay is None:
+        return state + jnp.swapaxes(u, -1, -2) @ k, o
+    decay_to_end = jnp.exp(rows(g[..., -1:, :] - g))  # (..., L, R or d_k)
+    if key_decay:
+        new = state * jnp.exp(g[..., -1:, :]) + jnp.swapaxes(u, -1, -2) @ (decay_to_end * k)
+    else:
+        end = jnp.swapaxes(jnp.exp(g[..., -1:, :]), -1, -2)  # (..., R, 1)
+        new = state * end + jnp.swapaxes(decay_to_end * u, -1, -2) @ k
+    return new, o
+
+
+def _add_row_axis(matrix):
+    return None if matrix is None else matrix[..., None, :, :]

@@ -1,0 +1,66 @@
+"""TTT-MLP: mini-batch test-time training of an MLP memory, dual form.
+
+Sun et al. 2024, "Learning to (Learn at Test Time): RNNs with Expressive Hidden States". The
+hidden state is the memory's parameters theta (``nested.ops.mlp_memory``), trained online on
+
+    l_t(theta) = 1/2 |f_theta(k_t) - v_t|^2.
+
+Mini-batch TTT with chunk (mini-batch) size C: in a chunk starting at theta_s every gradient is
+taken at theta_s, and the state after token t is
+
+    theta_t = theta_s - sum_{j <= t in chunk} lr_j grad l_j(theta_s),     o_t = f_{theta_t}(q_t),
+
+read with the dual form (masked matmuls over the chunk; theta_t is never formed). With
+chunk_size=1 it is online gradient descent (for a depth-1 memory: the delta rule).
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from nested.ops import mlp_memory as mm
+from nested.ops import neural_chunk as nc
+
+
+def ttt_mlp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lr: jax.Array,
+    *,
+    params: mm.Params,
+    chunk_size: int = 16,
+    activation="gelu",
+    residual_norm: bool = False,
+    norm_eps: float = 1e-6,
+) -> tuple[jax.Array, mm.Params]:
+    """Mini-batch TTT on an MLP memory.
+
+    Args:
+      q, k: (B, T, H, d_k) queries and keys; v: (B, T, H, d_v) targets.
+      lr: (B, T, H) inner step sizes.
+      params: initial memory (tuple of layers with leading (B, H); ``init_mlp_memory``).
+      chunk_size: mini-batch size C; T need not be a multiple of it.
+      activation: hidden activation name (``mlp_memory.ACTIVATIONS``) or callable.
+      residual_norm: use f(x) = x + LN(MLP(x)) (needs d_k == d_v).
+    Returns:
+      o (B, T, H, d_v) read after each token's write, and the final params.
+    """
+    form = mm.make_form(activation, residual_norm, norm_eps)
+    batch, _, heads = nc.check_sequence(q, k, v, {"lr": lr}, chunk_size)
+    mm.check_params(
+        params,
+        batch=batch,
+        heads=heads,
+        d_in=k.shape[-1],
+        d_out=v.shape[-1],
+        form=form,
+        name="params",
+    )
+    dtype = jnp.result_type(q, k, v, lr, *jax.tree.leaves(params))
+    seq = nc.cast({"q": q, "k": k, "v": v, "step_in": lr}, dtype)
+    step = partial(nc.linear_rule_step, form=form, read="after_write", window=1)
+    carry = (nc.cast(tuple(params), dtype), None, None)
+    o, (params, _, _) = nc.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+    return o, params
