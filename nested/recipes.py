@@ -275,6 +275,11 @@ def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
     )
 
 
+def _bounded_lr(scale: float) -> dict[str, Gate]:
+    """Gate kinds whose learning rate lies in (0, scale) (neural memories diverge with lr ~1)."""
+    return {**rules.DEFAULT_GATES, "lr": Gate("unit", init=scale / 2, scale=scale)}
+
+
 def ttt_linear(
     name: str = "memory", *, d_k: int, d_v: int, every: int = 16, **level_kwargs
 ) -> Level:
@@ -304,7 +309,7 @@ def ttt_mlp(
         name,
         memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k, depth=2, residual=True),
         objective=objectives.l2,
-        update=rules.sgd(lr="lr"),
+        update=rules.gradient_descent("lr", gate_kinds=_bounded_lr(0.1)),
         every=every,
         fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
@@ -330,7 +335,9 @@ def titans(
         name,
         memory=memory,
         objective=objectives.l2,
-        update=rules.gradient_descent("lr", momentum="momentum", decay="decay"),
+        update=rules.gradient_descent(
+            "lr", momentum="momentum", decay="decay", gate_kinds=_bounded_lr(0.1)
+        ),
         fast=_fast_neural(_titans_op),
         **level_kwargs,
     )
@@ -359,7 +366,13 @@ def atlas(
         name,
         memory=memories.Featurized(inner_memory, degree) if degree > 1 else inner_memory,
         objective=objectives.Omega(window=window),
-        update=rules.muon("lr", momentum="momentum", decay="decay", ns_steps=ns_steps),
+        update=rules.muon(
+            "lr",
+            momentum="momentum",
+            decay="decay",
+            ns_steps=ns_steps,
+            gate_kinds=_bounded_lr(0.1),
+        ),
         fast=_fast_neural(_atlas_op(ns_steps)),
         **level_kwargs,
     )

@@ -45,21 +45,25 @@ class Gate:
     a softplus in (0, inf), ``"log_decay"`` is ``-softplus`` in (-inf, 0). ``init`` is the value
     the gate takes at initialisation when its projection's input is zero (it sets the bias).
     ``size`` is None for a scalar per head, or ``"d_k"`` / ``"d_v"`` for one value per key /
-    value channel of the memory (MemT's erase, write and decay vectors).
+    value channel of the memory (MemT's erase, write and decay vectors). ``scale`` multiplies
+    the gate (a ``"unit"`` gate with ``scale=0.1`` is in (0, 0.1): a bounded learning rate).
     """
 
     kind: GateKind = "unit"
     init: float | None = None
     size: Literal["d_k", "d_v"] | None = None
+    scale: float = 1.0
 
     def __post_init__(self):
         if self.kind not in _GATE_KINDS:
             raise ValueError(f"Gate.kind={self.kind!r} is unknown; use one of {_GATE_KINDS}")
         if self.size not in (None, "d_k", "d_v"):
             raise ValueError(f"Gate.size={self.size!r}; use None, 'd_k' or 'd_v'")
+        if not self.scale > 0:
+            raise ValueError(f"Gate.scale={self.scale} must be positive")
         if self.init is not None:
             bad = {
-                "unit": not 0.0 < self.init < 1.0,
+                "unit": not 0.0 < self.init < self.scale,
                 "positive": self.init <= 0.0,
                 "log_decay": self.init >= 0.0,
             }[self.kind]
@@ -71,16 +75,19 @@ class Gate:
     def activate(self, pre: jax.Array) -> jax.Array:
         """Map a pre-activation to the gate's range."""
         if self.kind == "unit":
-            return jax.nn.sigmoid(pre)
-        if self.kind == "positive":
-            return jax.nn.softplus(pre)
-        return -jax.nn.softplus(pre)
+            value = jax.nn.sigmoid(pre)
+        elif self.kind == "positive":
+            value = jax.nn.softplus(pre)
+        else:
+            value = -jax.nn.softplus(pre)
+        return value if self.scale == 1.0 else self.scale * value
 
     def bias(self) -> float:
         """The pre-activation that gives ``init`` (0 when ``init`` is None)."""
         if self.init is None:
             return 0.0
-        x = self.init if self.kind != "log_decay" else -self.init
+        x = self.init / self.scale
+        x = x if self.kind != "log_decay" else -x
         if self.kind == "unit":
             return math.log(x) - math.log1p(-x)
         return math.log(math.expm1(x))  # inverse softplus

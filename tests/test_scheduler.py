@@ -119,9 +119,9 @@ def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
 
     test = as_dict(task.batch(0, 256, split=task.eval_splits[0]))
     before = evaluate(state, test)["accuracy"]
-    for i in range(300):
+    for i in range(450):
         state, _ = step(state, as_dict(task.batch(i, 32)))
     after = evaluate(state, test)["accuracy"]
     chance = 1 / (vocab // 2)
     assert before < 3 * chance
-    assert after > 0.6, f"query accuracy {after:.3f} after 300 steps (chance {chance:.3f})"
+    assert after > 0.75, f"query accuracy {after:.3f} after 450 steps (chance {chance:.3f})"

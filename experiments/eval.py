@@ -1,0 +1,34 @@
+"""Evaluate a run: ``python experiments/eval.py --workdir DIR [--config configs/x.py]``.
+
+Restores the latest checkpoint of ``--workdir`` and evaluates every held-out split (the
+config defaults to the one the run saved). A *memory session* continues a deployed model's
+fast-weight memory: ``--load_memory PATH`` starts from a saved memory state,
+``--save_memory PATH`` saves the one the session ends with (the memory carries through the
+eval batches; needs a level with ``persist="stream"``). Everything is in ``nested.train``.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from nested import cli, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; default: the run's.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to evaluate.")
+_LOAD_MEMORY = flags.DEFINE_string("load_memory", None, "Memory state to start the session from.")
+_SAVE_MEMORY = flags.DEFINE_string("save_memory", None, "Where to save the session's memory.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+    del argv
+    with cli.user_errors():
+        train.evaluate_workdir(
+            _CONFIG.value,
+            _WORKDIR.value,
+            load_memory=_LOAD_MEMORY.value,
+            save_memory=_SAVE_MEMORY.value,
+        )
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,26 @@
+"""Train a nested system: ``python experiments/train.py --config configs/mqar.py --workdir DIR``.
+
+The config file (``get_config()``; ``path.py:variant`` picks a variant) declares the task,
+the model, its fast levels and the training settings; ``--config.<key>=<value>`` overrides
+any key (``--config.model.dim=128``, ``--config.levels.memory.every=16``). A workdir that
+holds checkpoints of an interrupted run resumes it. Everything is in ``nested.train``.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from nested import cli, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path.py[:variant]).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    del argv
+    with cli.user_errors():
+        train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,258 @@
+"""Checkpoints with orbax, wrapped: the only module of ``nested`` that imports orbax.
+
+:class:`Checkpointer` keeps the checkpoints of a training run in ``<directory>/<step>/``: the
+whole :class:`nested.State` (slow parameters, optimizer state, carried fast states, step, RNG)
+as the item ``state``, and JSON ``meta`` holding the data position (the index of the next
+training batch) and the signature of the state (path, shape and dtype of every leaf).
+
+* **Periodic, kept K**: ``save`` writes at multiples of ``every`` (or when forced) and keeps
+  the ``keep`` latest.
+* **Async**: ``save`` returns once the arrays are copied; files are written in a background
+  thread; ``close`` waits for them.
+* **Atomic**: orbax writes a step into a temporary folder and renames it when complete, so a
+  killed save never looks like a checkpoint (its leftovers are removed on the next start).
+* **Damaged checkpoints**: :meth:`Checkpointer.restore_latest` tries the newest step first; a
+  step whose files cannot be read (an empty or truncated folder) is reported in one log line,
+  renamed ``<step>.damaged`` (kept for inspection, never listed or overwritten again) and the
+  previous step is tried. A readable checkpoint of a *different* model (another config) is
+  not damage: it raises :class:`CheckpointError`.
+
+:func:`save_tree` / :func:`load_tree` store one pytree atomically (used by
+:mod:`nested.memory_state`). Typed PRNG keys are stored as their key data and re-wrapped.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging as pylogging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+_policies = ocp.checkpoint_managers
+_ORBAX_METADATA = "_CHECKPOINT_METADATA"  # written into every complete step folder
+
+
+def _quiet_orbax(record) -> bool:
+    """Drop orbax's INFO chatter (dozens of lines per save); keep its warnings."""
+    return record.levelno >= pylogging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+logging.get_absl_handler().addFilter(_quiet_orbax)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be used here; the message says why and what to do."""
+
+
+class Restored(NamedTuple):
+    """A restored checkpoint: its step, the state, and the index of the next batch."""
+
+    step: int
+    state: Any
+    data_position: int
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _storable(tree):
+    """``tree`` with typed PRNG keys replaced by their raw key data (orbax stores arrays)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _unstorable(tree, like):
+    """Inverse of :func:`_storable`, taking the key implementation from ``like``."""
+    return jax.tree.map(
+        lambda x, ref: (
+            jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref)) if _is_key(ref) else x
+        ),
+        tree,
+        like,
+    )
+
+
+def _abstract(tree):
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, _storable(tree))
+
+
+def signature(tree) -> list[str]:
+    """One line per leaf, ``"<path> <shape> <dtype>"``: what a checkpoint must match."""
+    leaves = jax.tree_util.tree_flatten_with_path(_abstract(tree))[0]
+    return [f"{jax.tree_util.keystr(p)} {tuple(x.shape)} {x.dtype}" for p, x in leaves]
+
+
+def mismatch(saved: list[str], expected: list[str]) -> str:
+    """The first difference between two :func:`signature` lists, in words."""
+    for a, b in zip(saved, expected, strict=False):
+        if a != b:
+            return f"saved {a!r}, expected {b!r}"
+    return f"saved {len(saved)} arrays, expected {len(expected)}"
+
+
+def _one_line(error: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(error).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+def _collect_abandoned_reads() -> None:
+    """A failed restore leaves orbax's other pending reads to die at garbage collection, each
+    printing an "Exception ignored" traceback; collect them now, quietly (the failure itself
+    is reported in one line)."""
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+class Checkpointer:
+    """Periodic, async, atomic checkpoints of a run in ``directory`` (see the module doc).
+
+    Use as a context manager, or call :meth:`close` (it waits for pending writes).
+    """
+
+    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        if self.directory.is_dir():  # before orbax lists them: incomplete step folders
+            for folder in sorted(self.directory.iterdir()):
+                if folder.name.isdigit() and not (folder / _ORBAX_METADATA).exists():
+                    self._set_aside(int(folder.name), f"no {_ORBAX_METADATA}: empty or incomplete")
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=_policies.FixedIntervalPolicy(every),
+            preservation_policy=_policies.LatestN(keep),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """Steps of the checkpoints on disk, oldest first."""
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state, *, data_position: int, force: bool = False) -> bool:
+        """Save ``state`` at ``step`` if ``step`` is a multiple of ``every`` (or ``force``)
+        and not saved yet; returns whether a save started."""
+        if step in self._manager.all_steps():
+            return False
+        meta = {
+            "step": int(step),
+            "data_position": int(data_position),
+            "signature": signature(state),
+        }
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(_storable(state)), meta=ocp.args.JsonSave(meta)
+        )
+        return self._manager.save(int(step), args=args, force=force)
+
+    def restore_latest(self, like) -> Restored | None:
+        """The newest readable checkpoint, restored into the structure of ``like`` (e.g. a
+        freshly initialised state), or None if there is none. Damaged steps are reported,
+        set aside and skipped; a checkpoint of another model raises :class:`CheckpointError`.
+        """
+        expected = signature(like)
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            meta = self._attempt(step, meta=ocp.args.JsonRestore())
+            if meta is None:
+                continue
+            meta = meta.meta
+            if meta.get("signature") != expected:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} is of another model "
+                    f"({mismatch(meta.get('signature') or [], expected)}); use a new workdir "
+                    f"or the config it was trained with"
+                )
+            restored = self._attempt(step, state=ocp.args.StandardRestore(_abstract(like)))
+            if restored is not None:
+                state = _unstorable(restored.state, like)
+                return Restored(int(step), state, int(meta["data_position"]))
+        return None
+
+    def _attempt(self, step: int, **items):
+        """Restore ``items`` of ``step``; None (and the step set aside) if it is unreadable."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as error:  # noqa: BLE001 - any unreadable step is damage
+            reason = _one_line(error)
+        _collect_abandoned_reads()
+        self._set_aside(step, reason)
+        return None
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        folder = self.directory / str(step)
+        aside = folder.with_name(f"{step}.damaged")
+        if aside.exists():
+            shutil.rmtree(aside)
+        folder.rename(aside)
+        if hasattr(self, "_manager"):
+            self._manager.reload()
+        logging.warning(
+            "checkpoint step %d is damaged (%s); moved to %s, using the previous one",
+            step,
+            reason,
+            aside,
+        )
+
+    def wait(self) -> None:
+        """Block until pending saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def save_tree(path: str | Path, tree, *, meta: dict | None = None) -> None:
+    """Save one pytree (and JSON ``meta``) at ``path``, atomically, replacing what is there.
+
+    The new tree is written beside ``path`` first and swapped in, so a crash leaves either
+    the old or the new one readable.
+    """
+    path = Path(path).absolute()
+    fresh = path.with_name(path.name + ".new")
+    if fresh.exists():
+        shutil.rmtree(fresh)
+    args = ocp.args.Composite(
+        tree=ocp.args.StandardSave(_storable(tree)), meta=ocp.args.JsonSave(meta or {})
+    )
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(fresh, args=args)
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        path.rename(old)
+        fresh.rename(path)
+        shutil.rmtree(old)
+    else:
+        fresh.rename(path)
+
+
+def load_meta(path: str | Path) -> dict:
+    """The JSON ``meta`` saved with a tree by :func:`save_tree`."""
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        return checkpointer.restore(
+            Path(path).absolute(), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        ).meta
+
+
+def load_tree(path: str | Path, *, like):
+    """The pytree saved at ``path`` by :func:`save_tree`, in the structure of ``like``."""
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(
+            Path(path).absolute(),
+            args=ocp.args.Composite(tree=ocp.args.StandardRestore(_abstract(like))),
+        )
+    return _unstorable(restored.tree, like)

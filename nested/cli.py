@@ -1,0 +1,109 @@
+"""Helpers for the absl entry points in ``experiments/``: mistakes end in one readable line.
+
+A user mistake (a typo in an override, an unknown rule, an inconsistent config, a missing
+config file, a non-finite loss, an unusable checkpoint) ends the program with one line on
+stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its traceback.
+
+* :func:`parse_flags` is the ``flags_parser`` of ``absl.app.run``. ml_collections reports an
+  unknown override key (``--config.model.dimm=3``) as a long ``AttributeError`` traceback;
+  here it becomes ``error: --config.model.dimm: config.model has no key 'dimm'; allowed:
+  [...]``.
+* :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+
+from absl import flags
+from ml_collections import config_dict
+
+from nested import config as config_lib
+from nested.checkpoint import CheckpointError
+from nested.guards import NonFiniteError
+
+USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError)
+CONFIG_FLAG = "config"
+
+
+def _one_line(error: BaseException) -> str:
+    # str(KeyError("x")) is "'x'": use the message itself.
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return " ".join(str(text).split())
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{CONFIG_FLAG}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{CONFIG_FLAG}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _unknown_override(argv: Sequence[str], config) -> str | None:
+    """The first ``--config.<path>=...`` whose path is not in ``config``, explained."""
+    prefix = f"--{CONFIG_FLAG}."
+    for arg in argv:
+        if not arg.startswith(prefix):
+            continue
+        path = arg[len(prefix) :].split("=", 1)[0]
+        node, walked = config, CONFIG_FLAG
+        for key in path.split("."):
+            if not isinstance(node, config_dict.ConfigDict):
+                return f"{prefix}{path}: {walked} is a value, not a section"
+            if key not in node:
+                return (
+                    f"{prefix}{path}: {walked} has no key {key!r}; allowed: {sorted(node.keys())}"
+                )
+            node, walked = node[key], f"{walked}.{key}"
+    return None
+
+
+def _flag_error(argv: Sequence[str], error: BaseException) -> str:
+    spec = _config_spec(argv)
+    if spec is not None:
+        try:
+            config = config_lib.load(spec)
+        except config_lib.ConfigError as load_error:
+            return f"--{CONFIG_FLAG} {spec}: {_one_line(load_error)}"
+        except Exception as load_error:  # noqa: BLE001 - an error inside the config file
+            return f"--{CONFIG_FLAG} {spec}: get_config() failed: {_one_line(load_error)}"
+        unknown = _unknown_override(argv, config)
+        if unknown is not None:
+            return unknown
+    return _one_line(error)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """Parse ``argv`` into ``absl.flags.FLAGS``; on a mistake, exit with one line."""
+    try:
+        rest = flags.FLAGS(argv)
+    except Exception as error:  # noqa: BLE001 - ml_collections raises all sorts
+        sys.exit(f"error: {_flag_error(argv, error)}")
+    if len(rest) > 1:
+        sys.exit(f"error: unexpected arguments {rest[1:]}; flags look like --name=value")
+    if CONFIG_FLAG in flags.FLAGS:
+        value = flags.FLAGS[CONFIG_FLAG].value
+        if value is not None and not isinstance(value, config_dict.ConfigDict):
+            # ml_collections defers a file that fails to load until the config is read.
+            cause = getattr(value, "_error", None) or OSError("the config could not be loaded")
+            sys.exit(f"error: {_flag_error(argv, cause)}")
+    return rest
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors of :data:`USER_ERRORS` into ``error: <message>`` and exit status 1,
+    and Ctrl-C into a hint to resume (exit status 130)."""
+    try:
+        yield
+    except USER_ERRORS as error:
+        sys.exit(f"error: {_one_line(error)}")
+    except KeyboardInterrupt:
+        print(
+            "interrupted: run the same command to resume from the last checkpoint", file=sys.stderr
+        )
+        sys.exit(130)

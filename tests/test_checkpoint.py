@@ -1,0 +1,182 @@
+"""Checkpoints (orbax, wrapped) and session memory states."""
+
+import logging
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny_configs
+
+from nested import checkpoint, memory_state, train
+from nested import config as nc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with tiny_configs.compilation_cache(tmp_path_factory):
+        yield
+
+
+@pytest.fixture(scope="module")
+def continual():
+    """A tiny continual experiment (its memory level carries its state across sequences),
+    with a fresh state and a state one training step in (every part of it non-trivial)."""
+    exp = nc.build(tiny_configs.config("continual"))
+    fresh = train.init_state(exp)
+    batches = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
+    state, _ = train.make_train_fn(exp.program)(fresh, batches)
+    return exp, fresh, state
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_gives_back_the_whole_state_and_data_position(tmp_path, continual):
+    _, fresh, state = continual
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        assert ckpt.save(1, state, data_position=17)
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        restored = ckpt.restore_latest(fresh)
+    assert (restored.step, restored.data_position) == (1, 17)
+    assert_trees_equal(restored.state, state)  # params, optimizer, fast states, step, key
+    assert state.fast is not None and int(restored.state.step) == 1
+
+
+def test_saves_every_n_steps_and_keeps_the_latest_k(tmp_path, continual):
+    _, _, state = continual
+    with checkpoint.Checkpointer(tmp_path, every=2, keep=2) as ckpt:
+        started = [ckpt.save(step, state, data_position=step) for step in range(1, 8)]
+        assert not ckpt.save(6, state, data_position=6, force=True)  # exists already
+        assert ckpt.save(7, state, data_position=7, force=True)  # forced off-period
+        ckpt.wait()
+        assert ckpt.steps() == [6, 7]
+    assert started == [False, True, False, True, False, True, False]
+
+
+# A failed read can leave orbax's other pending reads to die later (the library collects
+# them at once, but it is a race): their "exception ignored" reports are not the test's.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["empty folder", "truncated file"])
+def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(
+    tmp_path, continual, damage, caplog
+):
+    _, fresh, state = continual
+    later = state.replace(step=state.step + 1)
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=3) as ckpt:
+        ckpt.save(1, state, data_position=1)
+        ckpt.save(2, later, data_position=2)
+    if damage == "empty folder":
+        shutil.rmtree(tmp_path / "2")
+        (tmp_path / "2").mkdir()
+    else:
+        files = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file()]
+        biggest = max(files, key=lambda p: p.stat().st_size)
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with (
+        caplog.at_level(logging.WARNING),
+        checkpoint.Checkpointer(tmp_path, every=1, keep=3) as ckpt,
+    ):
+        restored = ckpt.restore_latest(fresh)
+        assert ckpt.steps() == [1]
+    assert restored.step == 1 and restored.data_position == 1
+    assert_trees_equal(restored.state, state)
+    reports = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(reports) == 1 and "\n" not in reports[0]
+    assert reports[0].startswith("checkpoint step 2 is damaged (")
+    assert (tmp_path / "2.damaged").is_dir()
+
+
+def test_checkpoint_of_another_model_is_an_error_not_damage(tmp_path, continual):
+    _, _, state = continual
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        ckpt.save(1, state, data_position=1)
+    other = train.init_state(nc.build(tiny_configs.config("continual", model__dim=8)))
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        with pytest.raises(checkpoint.CheckpointError, match="checkpoint step 1 in .* is of an"):
+            ckpt.restore_latest(other)
+        assert ckpt.steps() == [1]  # left alone
+
+
+def _session(exp, state, split):
+    """A memory session over the held-out batches of ``split`` (memory carried)."""
+    results, fast = train.evaluate(
+        train.make_eval_fn(exp.program),
+        state,
+        exp.task,
+        batches=2,
+        batch_size=exp.config.train.batch_size,
+        splits=[split],
+        carry=True,
+    )
+    return results[split], fast
+
+
+def test_memory_state_save_load_continues_the_stream_identically(tmp_path, continual):
+    exp, _, state = continual
+    first, after_first = _session(exp, state, "task0")
+    second, after_second = _session(exp, state.replace(fast=after_first), "task1")
+
+    memory_state.save(tmp_path / "memory", after_first)
+    loaded = memory_state.load(tmp_path / "memory", like=state.fast)
+    assert_trees_equal(loaded, after_first)
+    resumed, after_resumed = _session(exp, state.replace(fast=loaded), "task1")
+    assert resumed == second  # exactly: the next session continues where the first stopped
+    assert_trees_equal(after_resumed, after_second)
+    # the memory carried something: starting the second session fresh changes its result
+    fresh, _ = _session(exp, state, "task1")
+    assert fresh != second
+
+    memory_state.save(tmp_path / "memory", after_second)  # sessions overwrite in place
+    assert_trees_equal(memory_state.load(tmp_path / "memory", like=state.fast), after_second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory"]
+
+
+def test_memory_state_of_another_model_or_path_is_refused(tmp_path, continual):
+    _, _, state = continual
+    memory_state.save(tmp_path / "memory", state.fast)
+    wider = jax.tree.map(lambda x: jnp.concatenate([x, x]), state.fast)  # batch size 8
+    with pytest.raises(ValueError, match="does not fit this model .*batch size it was saved"):
+        memory_state.load(tmp_path / "memory", like=wider)
+    with pytest.raises(ValueError, match="no memory state at"):
+        memory_state.load(tmp_path / "nothing", like=state.fast)
+    with pytest.raises(ValueError, match="no level of this system keeps its state"):
+        memory_state.save(tmp_path / "none", None)
+
+
+def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
+    """``evaluate_workdir`` (eval.py) with --save_memory, then --load_memory: the second
+    session continues the first's memory exactly."""
+    exp, _, state = continual
+    workdir = tmp_path / "run"
+    with checkpoint.Checkpointer(workdir / train.CHECKPOINTS, every=1, keep=1) as ckpt:
+        ckpt.save(1, state, data_position=1)
+    one, two = tmp_path / "one", tmp_path / "two"
+    first = train.evaluate_workdir(exp.config, workdir, save_memory=one)
+    second = train.evaluate_workdir(exp.config, workdir, load_memory=one, save_memory=two)
+
+    eval_fn = train.make_eval_fn(exp.program)
+    expected_first, fast = train.evaluate(
+        eval_fn, state, exp.task, batches=2, batch_size=4, carry=True
+    )
+    expected_second, fast = train.evaluate(
+        eval_fn,
+        state.replace(fast=fast),
+        exp.task,
+        batches=2,
+        batch_size=4,
+        carry=True,
+    )
+    assert first["splits"] == {s: {"step": 1, "split": s, **v} for s, v in expected_first.items()}
+    assert second["splits"] == {s: {"step": 1, "split": s, **v} for s, v in expected_second.items()}
+    assert_trees_equal(memory_state.load(two, like=state.fast), fast)
+    with pytest.raises(nc.ConfigError, match="a memory session needs a level with persist='str"):
+        config = tiny_configs.config("continual", levels__memory__persist="sequence")
+        train.evaluate_workdir(config, workdir, save_memory=one)

@@ -1,0 +1,179 @@
+"""Configs: registries by name, the level section, and one clear error per bad input."""
+
+import re
+from pathlib import Path
+
+import pytest
+import tiny_configs
+from ml_collections import config_dict
+
+from nested import config as nc
+from nested import data, recipes
+
+CONFIGS = ["mqar", "char_lm", "niah", "continual"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_file_builds_and_its_docstring_is_the_command(name):
+    path = tiny_configs.path(name)
+    exp = nc.build(nc.load(path))
+    assert exp.task.name == name
+    assert [level.name for level in exp.system.fast_levels] == ["memory"]
+    module_doc = Path(path).read_text().split('"""')[1]
+    assert module_doc.splitlines()[0] == (
+        f"python experiments/train.py --config configs/{name}.py --workdir runs/{name}"
+    )
+
+
+@pytest.mark.parametrize("rule", sorted(recipes.RULES))
+def test_mqar_has_a_variant_per_registered_rule(rule):
+    exp = nc.build(nc.load(f"{tiny_configs.path('mqar')}:{rule}"))
+    level = exp.system["memory"]
+    reference = recipes.RULES[rule]("memory", d_k=32, d_v=32)
+    assert type(level.objective) is type(reference.objective)
+    assert sorted(level.gates) == sorted(reference.gates)
+
+
+def test_a_newly_registered_rule_is_usable_by_name(monkeypatch):
+    def slow_delta(name="memory", *, d_k: int, d_v: int, lr_init: float = 0.5, **level_kwargs):
+        return recipes.delta(name, d_k=d_k, d_v=d_v, **level_kwargs)
+
+    monkeypatch.setitem(recipes.RULES, "slow_delta", slow_delta)
+    config = nc.load(f"{tiny_configs.path('mqar')}:slow_delta")
+    assert config.levels.memory.lr_init == 0.5  # the recipe's own hyperparameter is a key
+    assert nc.build(config).system["memory"].every == 1
+
+
+def test_every_override_turns_the_online_rule_into_mini_batch_ttt():
+    config = tiny_configs.config("mqar", levels__memory__every=4, levels__memory__chunk=8)
+    level = nc.build(config).system["memory"]
+    assert (level.every, level.chunk) == (4, 8)
+
+
+def test_memory_widths_follow_the_model_unless_set():
+    config = tiny_configs.config("mqar", model__dim=24, model__heads=3)
+    assert nc.build(config).system["memory"].memory.d_k == 8
+    config = tiny_configs.config("mqar", levels__memory__d_k=5, levels__memory__d_v=7)
+    memory = nc.build(config).system["memory"].memory
+    assert (memory.d_k, memory.d_v) == (5, 7)
+
+
+def test_task_and_optimizer_sections_reach_the_experiment():
+    config = tiny_configs.config("mqar", optimizer__learning_rate=0.5, optimizer__warmup_steps=0)
+    exp = nc.build(config)
+    assert exp.task == data.MQARTask(
+        vocab_size=16, train_settings=((16, 2), (16, 4)), test_settings=((16, 2), (16, 4))
+    )
+    assert exp.schedule(0) == pytest.approx(0.5)
+    assert exp.schedule(8) == pytest.approx(0.05)  # cosine down to min_lr_ratio = 0.1
+
+
+def test_every_key_of_a_section_is_overridable_under_lock():
+    config = nc.load(tiny_configs.path("mqar"))
+    config.lock()
+    config.levels.memory.chunk = 16  # placeholders are typed, so they accept their type
+    config.task.train_weights = (1.0, 2.0, 3.0)
+    with pytest.raises(AttributeError):
+        config.model.dimm = 3
+
+
+def _error(config) -> str:
+    with pytest.raises(nc.ConfigError) as info:
+        nc.build(config)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# One test per bad input: the message names the key and the allowed values.
+
+
+def test_unknown_rule_names_the_key_and_the_registered_rules():
+    message = _error(tiny_configs.config("mqar", levels__memory__rule="detla"))
+    assert message == f"levels.memory.rule='detla' is unknown; allowed: {sorted(recipes.RULES)}"
+
+
+def test_unknown_model_and_task_names():
+    message = _error(tiny_configs.config("mqar", model__name="transformer"))
+    assert message == "model.name='transformer' is unknown; allowed: ['memory_lm']"
+    message = _error(tiny_configs.config("mqar", task__name="mqra"))
+    assert message == f"task.name='mqra' is unknown; allowed: {sorted(data.TASKS)}"
+
+
+def test_typo_in_a_key():
+    config = tiny_configs.config("mqar")
+    config.model.dimm = 3
+    message = _error(config)
+    assert message.startswith("model.dimm is not a key of model; allowed: ['cms', 'conv', 'dim',")
+    config = tiny_configs.config("mqar")
+    config.trian = config_dict.ConfigDict()
+    assert _error(config) == (
+        "config.trian is not a section; allowed: "
+        "['seed', 'task', 'model', 'levels', 'optimizer', 'train']"
+    )
+
+
+def test_period_that_does_not_divide_the_chunking():
+    message = _error(tiny_configs.config("mqar", levels__memory__every=4, levels__memory__chunk=6))
+    assert message == (
+        "levels.memory.chunk=6 is not a multiple of levels.memory.every=4; "
+        "allowed: multiples of 4, e.g. [4, 8, 12, 16]"
+    )
+
+
+def test_carried_stream_period_must_divide_the_sequence_length():
+    # the tiny continual task has sequences of 2 * (3 + 3) = 12 tokens
+    message = _error(tiny_configs.config("continual", levels__memory__every=8))
+    assert message.startswith("levels.memory.every=8 does not divide the sequence length 12")
+    assert message.endswith("allowed: [1, 2, 3, 4, 6, 12]")
+
+
+def test_dim_not_divisible_by_heads():
+    message = _error(tiny_configs.config("mqar", model__dim=18, model__heads=4))
+    assert message == (
+        "model.dim=18 is not divisible by model.heads=4 (each head's memory is dim/heads wide "
+        "unless levels.*.d_k/d_v are set); allowed heads: [1, 2, 3, 6, 9, 18]"
+    )
+
+
+def test_bad_level_field_value_is_reported_with_the_level_key():
+    message = _error(tiny_configs.config("mqar", levels__memory__persist="forever"))
+    assert message.startswith("levels.memory: ")
+    assert "persist='forever'" in message and "('sequence', 'stream')" in message
+
+
+def test_model_slot_must_name_a_declared_level():
+    message = _error(tiny_configs.config("mqar", model__level="mem"))
+    assert message == "model.level='mem' is not a declared level; allowed: ['memory']"
+
+
+def test_train_periods_must_align_with_steps_per_call():
+    message = _error(tiny_configs.config("mqar", train__steps_per_call=3))
+    assert message == (
+        "train.log_every=2 is not a multiple of train.steps_per_call=3; allowed: multiples of 3"
+    )
+
+
+def test_streams_need_eval_batches_as_wide_as_training_batches():
+    message = _error(tiny_configs.config("continual", train__eval_batch_size=8))
+    assert message.startswith("train.eval_batch_size=8 must equal train.batch_size=4")
+    assert message.endswith("allowed: 4")
+
+
+def test_bad_task_field_value_is_reported_with_the_task_key():
+    message = _error(tiny_configs.config("mqar", task__test_settings=((8, 4),)))
+    assert message.startswith("task: mqar: test_settings.seq_len=8 is invalid")
+
+
+def test_unknown_optimizer_and_schedule():
+    message = _error(tiny_configs.config("mqar", optimizer__schedule="linear"))
+    assert message == "optimizer.schedule='linear' is unknown; allowed: ('constant', 'cosine')"
+    message = _error(tiny_configs.config("mqar", optimizer__name="lamb"))
+    assert message == f"optimizer.name='lamb' is unknown; allowed: {sorted(nc.OPTIMIZERS)}"
+
+
+def test_section_helpers_reject_unknown_keys():
+    with pytest.raises(nc.ConfigError, match=re.escape("unknown key(s) ['dimm']; allowed: [")):
+        nc.model_config("memory_lm", level="memory", dimm=3)
+    with pytest.raises(nc.ConfigError, match="levels.\\*.rule='nope' is unknown"):
+        nc.level_config("nope")

@@ -1,0 +1,188 @@
+"""The entry points, run as a user runs them: ``python experiments/{train,eval}.py ...``."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tiny_configs
+
+from nested import metrics, recipes, train
+
+ROOT = tiny_configs.ROOT
+TRAIN, EVAL = str(ROOT / "experiments" / "train.py"), str(ROOT / "experiments" / "eval.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with (
+        tiny_configs.compilation_cache(tmp_path_factory) as env,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        for name, value in env.items():
+            patch.setenv(name, value)  # for the subprocesses
+        yield
+
+
+def start(script, *args):
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process, timeout=300):
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return process.returncode, out, err
+
+
+def run(script, *args):
+    return finish(start(script, *args))
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if k not in metrics.TIMING_KEYS} for r in records]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``experiments/train.py`` on the tiny MQAR config: (workdir, stdout)."""
+    workdir = tmp_path_factory.mktemp("cli") / "run"
+    rc, out, err = run(TRAIN, *tiny_configs.flags("mqar"), f"--workdir={workdir}")
+    assert rc == 0, err[-3000:]
+    return workdir, out
+
+
+def test_train_entry_point_trains_plots_and_prints_the_final_accuracy(trained):
+    workdir, out = trained
+    records = metrics.read(workdir)
+    final = [r for r in records if r["step"] == 8 and r["split"] != "train"]
+    mean = sum(r["accuracy"] for r in final) / len(final)
+    assert f"final test accuracy: {mean:.4f} (mean over 2 splits)" in out
+    assert f"curves: {workdir / 'curves.png'}" in out
+    assert (workdir / "curves.png").exists() and (workdir / "checkpoints" / "8").is_dir()
+
+
+def test_eval_entry_point_reproduces_the_final_evaluation(trained):
+    workdir, _ = trained
+    rc, out, err = run(EVAL, f"--workdir={workdir}")  # the config comes from the workdir
+    assert rc == 0, err[-3000:]
+    result = json.loads((workdir / "eval.json").read_text())
+    final = {
+        r["split"]: r for r in metrics.read(workdir) if r["step"] == 8 and r["split"] != "train"
+    }
+    assert result["step"] == 8 and result["splits"] == final
+    assert "final test accuracy" in out
+
+
+@pytest.mark.slow
+def test_eval_sessions_carry_the_memory_across_processes(tmp_path):
+    """The flags of a memory session (exact continuation: tests/test_checkpoint.py)."""
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(tiny_configs.config("continual"), workdir)
+    m1, m2 = tmp_path / "m1", tmp_path / "m2"
+    rc, _, err = run(EVAL, f"--workdir={workdir}", f"--save_memory={m1}")
+    assert rc == 0, err[-3000:]
+    first = json.loads((workdir / "eval.json").read_text())
+    rc, _, err = run(EVAL, f"--workdir={workdir}", f"--load_memory={m1}", f"--save_memory={m2}")
+    assert rc == 0, err[-3000:]
+    second = json.loads((workdir / "eval.json").read_text())
+    assert m1.is_dir() and m2.is_dir()
+    assert second["splits"] != first["splits"]  # the second session starts from m1's memory
+
+
+BAD_INPUTS = {
+    "typo in an override": (
+        ["--config.model.dimm=3"],
+        "error: --config.model.dimm: config.model has no key 'dimm'; allowed: ['cms', 'conv', ",
+    ),
+    "unknown rule": (
+        ["--config.levels.memory.rule=detla"],
+        f"error: levels.memory.rule='detla' is unknown; allowed: {sorted(recipes.RULES)}",
+    ),
+    "unknown variant": (
+        [f"--config={tiny_configs.path('mqar')}:detla"],
+        f"error: --config {tiny_configs.path('mqar')}:detla: levels.*.rule='detla' is unknown; "
+        f"allowed: {sorted(recipes.RULES)}",
+    ),
+    "period not dividing the chunking": (
+        ["--config.levels.memory.every=16", "--config.levels.memory.chunk=24"],
+        "error: levels.memory.chunk=24 is not a multiple of levels.memory.every=16; "
+        "allowed: multiples of 16, e.g. [16, 32, 48, 64]",
+    ),
+    "dims that do not match": (
+        ["--config.model.dim=15"],
+        "error: model.dim=15 is not divisible by model.heads=2 (each head's memory is "
+        "dim/heads wide unless levels.*.d_k/d_v are set); allowed heads: [1, 3, 5, 15]",
+    ),
+    "value of the wrong type": (
+        ["--config.model.dim=wide"],
+        "error: flag --config.model.dim=wide: invalid literal for int() with base 10: 'wide'",
+    ),
+    "missing config file": (
+        ["--config=configs/nope.py"],
+        "error: --config configs/nope.py: config file 'configs/nope.py' does not exist",
+    ),
+    "unknown flag": (["--workdri=x"], "error: Unknown command line flag 'workdri'"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Every bad-input case started at once (each fails in seconds, before training)."""
+    workdir = tmp_path_factory.mktemp("bad")
+    processes = {}
+    for case, (args, _) in BAD_INPUTS.items():
+        config = (
+            [] if any(a.startswith("--config=") for a in args) else ["--config=configs/mqar.py"]
+        )
+        processes[case] = start(TRAIN, *config, *args, f"--workdir={workdir / 'w'}")
+    return processes
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_with_one_line_naming_the_key_and_allowed_values(bad_runs, case):
+    rc, out, err = finish(bad_runs[case], timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 1 and out == ""
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(BAD_INPUTS[case][1]), lines[0]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_metrics(tmp_path):
+    """A real kill (SIGKILL, possibly mid-save) of a CLI run, then the same command again."""
+    flags = tiny_configs.flags("mqar", train__steps=200, train__checkpoint_every=20)
+    rc, _, err = run(TRAIN, *flags, f"--workdir={tmp_path / 'reference'}")
+    assert rc == 0, err[-3000:]
+    killed = tmp_path / "killed"
+    process = start(TRAIN, *flags, f"--workdir={killed}")
+    while not (killed / "checkpoints" / "40").exists() and process.poll() is None:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert metrics.read(killed)[-1]["step"] < 200, "the run ended before it was killed"
+    rc, _, err = run(TRAIN, *flags, f"--workdir={killed}")
+    assert rc == 0, err[-3000:]
+    assert comparable(metrics.read(killed)) == comparable(metrics.read(tmp_path / "reference"))
+
+
+@pytest.mark.slow
+def test_default_experiment_reaches_ninety_percent(tmp_path):
+    """README's first command: the default MQAR experiment (about 2 minutes on 2 cores)."""
+    rc, out, err = run(TRAIN, "--config=configs/mqar.py", f"--workdir={tmp_path}")
+    assert rc == 0, err[-3000:]
+    result = metrics.summary(metrics.read(tmp_path))
+    assert result["mean_accuracy"] >= 0.9, out
+    assert min(r["accuracy"] for r in result["splits"].values()) >= 0.9, out
+    assert (tmp_path / "curves.png").exists()

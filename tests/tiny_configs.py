@@ -1,0 +1,100 @@
+"""Tiny versions of the shipped configs for the tests of the experiment workflow.
+
+Each is a shipped config file plus overrides (``dotted.key -> value``), applied in-process by
+:func:`config` or passed to the entry points as ``--config.<key>=<value>`` by :func:`flags`,
+so the tests run the same configs the README commands do, in seconds.
+"""
+
+import contextlib
+from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from nested import config as nc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_TRAIN = {
+    "optimizer.warmup_steps": 1,
+    "train.steps": 8,
+    "train.batch_size": 4,
+    "train.log_every": 2,
+    "train.eval_every": 4,
+    "train.checkpoint_every": 4,
+    "train.eval_batches": 2,
+    "train.eval_batch_size": 4,
+}
+TINY = {
+    "mqar": {
+        "task.vocab_size": 16,
+        "task.train_settings": ((16, 2), (16, 4)),
+        "task.test_settings": ((16, 2), (16, 4)),
+        "model.dim": 16,
+        "model.heads": 2,
+        **_TRAIN,
+    },
+    "continual": {
+        "task.vocab_size": 32,
+        "task.num_keys": 8,
+        "task.num_pairs": 3,
+        "task.num_queries": 3,
+        "task.num_tasks": 2,
+        "task.switch_every": 4,
+        "model.dim": 16,
+        "model.heads": 2,
+        **_TRAIN,
+    },
+}
+
+
+def path(name: str) -> str:
+    return str(ROOT / "configs" / f"{name}.py")
+
+
+def override(config, overrides):
+    """Set ``dotted.key -> value`` entries on ``config`` (in place) and return it."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
+
+
+def config(name: str, **more):
+    """The tiny config ``name``; ``more`` adds overrides with ``__`` for dots."""
+    extra = {k.replace("__", "."): v for k, v in more.items()}
+    return override(nc.load(path(name)), {**TINY[name], **extra})
+
+
+def flags(name: str, **more) -> list[str]:
+    """The command-line flags selecting the tiny config ``name``."""
+    extra = {k.replace("__", "."): v for k, v in more.items()}
+    overrides = {**TINY[name], **extra}
+    return [f"--config={path(name)}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+_CACHE_OPTIONS = {
+    "jax_compilation_cache_dir": None,  # set per session below
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+@contextlib.contextmanager
+def compilation_cache(tmp_path_factory):
+    """A persistent compilation cache shared by the runs of the test session (the tests train
+    the same tiny programs many times; each compiles once); yields the environment variables
+    that make subprocesses use it. JAX's settings are restored afterwards."""
+    directory = tmp_path_factory.getbasetemp() / "jax_cache"
+    options = {**_CACHE_OPTIONS, "jax_compilation_cache_dir": str(directory)}
+    before = {name: getattr(jax.config, name) for name in options}
+    jax_cache.reset_cache()
+    for name, value in options.items():
+        jax.config.update(name, value)
+    yield {name.upper(): str(value) for name, value in options.items()}
+    for name, value in before.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
