@@ -75,9 +75,8 @@ LEVEL_FIELDS = types.MappingProxyType(
 )
 
 
-# Model keys a rule needs in its layer (until recipes declare them): Falcon reads the key
-# aligned one step back, x_t = k_{t-1}.
-RULE_LAYER = types.MappingProxyType({"falcon": {"key_shift": True}})
+# Model keys a rule needs in its layer (Falcon reads the key aligned one step back).
+RULE_LAYER = types.MappingProxyType(recipes.LAYER_OPTIONS)
 
 
 class ConfigError(ValueError):

@@ -95,7 +95,8 @@ class MemoryLM(nnx.Module):
     ``tokens (B, T) int -> logits (B, T, vocab)``. ``mixer`` picks the block's token mixer
     (:func:`make_mixer`; ``window`` is the attention window of the hybrid mixers);
     ``mlp_ratio=0`` drops the MLP blocks; ``cms`` (levels, fastest first) replaces each MLP by
-    a Continuum Memory System. Other keyword arguments go to the memory layers
+    a Continuum Memory System; ``projections`` is the projection level of the self-modifying
+    (Hope) mixer. Other keyword arguments go to the memory layers
     (:class:`nested.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``, ``experts``...).
     """
 
@@ -111,9 +112,17 @@ class MemoryLM(nnx.Module):
         mixer: str = "memory",
         window: int | None = 64,
         cms: Sequence[Level] = (),
+        projections: Level | None = None,
         rngs: nnx.Rngs,
         **memory_kwargs,
     ):
+        if (mixer == "self_modifying") != (projections is not None):
+            raise ValueError(
+                "MemoryLM: mixer='self_modifying' needs the projection level (projections=...) "
+                "and other mixers take none"
+            )
+        if projections is not None:
+            memory_kwargs["projections"] = projections
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
         self.blocks = nnx.List(
             [

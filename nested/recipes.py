@@ -378,6 +378,10 @@ def atlas(
     )
 
 
+# What a rule needs from the layer that owns it: Falcon writes the key aligned one step back,
+# x_t = k_{t-1} (keyword arguments of nested.layers.MemoryLayer).
+LAYER_OPTIONS: dict[str, dict] = {"falcon": {"key_shift": True}}
+
 RULES: dict[str, Callable[..., Level]] = {
     "hebbian": hebbian,
     "delta": delta,
