@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from nested import windows
+from nested.layers import initial_memories, per_sequence
 from nested.level import Level, LevelState
 
 
@@ -43,22 +43,12 @@ class ContinuumMemory(nnx.Module):
         self.levels = tuple(levels)
         self.norms = nnx.List([nnx.RMSNorm(dim, rngs=rngs) for _ in levels])
         self.initial_params = nnx.List(
-            [
-                nnx.Param(
-                    jax.tree.map(lambda p: p.astype(jnp.float32), level.memory.init(rngs.params()))
-                )
-                for level in levels
-            ]
+            [initial_memories(level.memory, rngs.params(), None) for level in levels]
         )
 
     def initial_state(self, batch_size: int) -> tuple[LevelState, ...]:
         return tuple(
-            windows.initial_state(
-                level,
-                jax.tree.map(
-                    lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), init.get_value()
-                ),
-            )
+            windows.initial_state(level, per_sequence(init.get_value(), batch_size))
             for level, init in zip(self.levels, self.initial_params, strict=True)
         )
 

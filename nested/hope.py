@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested import inner, memories, objectives, rules
-from nested.layers import l2_normalize
+from nested.layers import initial_memories, l2_normalize, per_sequence
 from nested.level import Level
 
 
@@ -84,17 +84,14 @@ class SelfModifyingLayer(nnx.Module):
         )
         init = jax.random.normal(rngs.params(), (3, dim, dim), jnp.float32) / jnp.sqrt(dim)
         self.initial_projections = nnx.Param(init)
-        keys = jax.random.split(rngs.params(), heads)
-        memory_init = jax.vmap(level.memory.init)(keys)
-        self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), memory_init))
+        self.initial_params = initial_memories(level.memory, rngs.params(), heads)
         self.norm = nnx.RMSNorm(d_v, rngs=rngs)
         self.gate_out = linear(dim, dim) if output_gate else None
         self.out = linear(dim, dim, use_bias=False)
 
     def initial_state(self, batch_size: int) -> dict:
-        broadcast = lambda p: jnp.broadcast_to(p, (batch_size, *p.shape))
-        memory = jax.tree.map(broadcast, self.initial_params.get_value())
-        projections = {"W": broadcast(self.initial_projections[...])}
+        memory = per_sequence(self.initial_params.get_value(), batch_size)
+        projections = {"W": per_sequence(self.initial_projections[...], batch_size)}
         return {
             "memory": inner.initial_state(self.level, memory),
             "projections": inner.initial_state(self.projections, projections),

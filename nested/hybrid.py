@@ -27,7 +27,7 @@ from flax import nnx
 
 from nested import inner
 from nested.attention import SlidingWindowAttention, causal_attention, initial_cache
-from nested.layers import MemoryLayer, l2_normalize
+from nested.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
 from nested.level import Level
 
 
@@ -88,15 +88,11 @@ class AdaTransformerMixer(nnx.Module):
                 for name, gate in level.gates.items()
             }
         )
-        keys = jax.random.split(rngs.params(), heads)
-        init = jax.vmap(level.memory.init)(keys)
-        self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), init))
+        self.initial_params = initial_memories(level.memory, rngs.params(), heads)
         self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
 
     def initial_state(self, batch_size: int) -> dict:
-        params = jax.tree.map(
-            lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), self.initial_params.get_value()
-        )
+        params = per_sequence(self.initial_params.get_value(), batch_size)
         head_dim = self.level.memory.d_k
         return {
             "memory": inner.initial_state(self.level, params),

@@ -44,6 +44,20 @@ class ShortConv(nnx.Module):
         return jax.nn.silu(y), padded[:, T:].astype(cache.dtype)
 
 
+def initial_memories(memory, key: jax.Array, count: int | None) -> nnx.Param:
+    """The learned initial state ``theta_0`` of ``count`` memories (leading dim; None: one),
+    a float32 ``nnx.Param`` trained by the owner level."""
+    params = (
+        memory.init(key) if count is None else jax.vmap(memory.init)(jax.random.split(key, count))
+    )
+    return nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), params))
+
+
+def per_sequence(tree, batch_size: int):
+    """``tree`` broadcast to a leading batch dim: every sequence starts from the same state."""
+    return jax.tree.map(lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), tree)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -117,18 +131,14 @@ class MemoryLayer(nnx.Module):
             }
         )
         self.routes = linear(dim, 2 * memories) if experts > 1 else None
-        keys = jax.random.split(rngs.params(), memories)
-        init = jax.vmap(level.memory.init)(keys)
-        self.initial_params = nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), init))
+        self.initial_params = initial_memories(level.memory, rngs.params(), memories)
         self.norm = nnx.RMSNorm(d_v, rngs=rngs)
         self.gate_out = linear(dim, heads * d_v) if output_gate else None
         self.out = linear(heads * d_v, dim, use_bias=False)
 
     def initial_state(self, batch_size: int) -> LevelState:
         """The state a sequence starts from: the learned ``theta_0`` for every batch element."""
-        params = jax.tree.map(
-            lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), self.initial_params.get_value()
-        )
+        params = per_sequence(self.initial_params.get_value(), batch_size)
         cache = {}
         if self.conv is not None:
             cache["conv"] = self.conv.initial_cache(batch_size)

@@ -280,19 +280,25 @@ def _bounded_lr(scale: float) -> dict[str, Gate]:
     return {**rules.DEFAULT_GATES, "lr": Gate("unit", init=scale / 2, scale=scale)}
 
 
-def ttt_linear(
-    name: str = "memory", *, d_k: int, d_v: int, every: int = 16, **level_kwargs
-) -> Level:
-    """TTT-Linear: ``f(k) = k + LN(W k)``, mini-batch SGD of lr ``lr_t`` (needs d_k == d_v)."""
+def _ttt(name: str, memory, lr_scale: float, every: int, level_kwargs) -> Level:
     return Level(
         name,
-        memory=memories.MLP(d_k, d_v, hidden=d_v, depth=1, residual=True),
+        memory=memory,
         objective=objectives.l2,
-        update=rules.sgd(lr="lr"),
+        update=rules.gradient_descent("lr", gate_kinds=_bounded_lr(lr_scale)),
         every=every,
         fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
     )
+
+
+def ttt_linear(
+    name: str = "memory", *, d_k: int, d_v: int, every: int = 16, **level_kwargs
+) -> Level:
+    """TTT-Linear: ``f(k) = k + LN(W k)``, mini-batch SGD of lr ``lr_t`` in (0, 1) (needs
+    d_k == d_v)."""
+    memory = memories.MLP(d_k, d_v, hidden=d_v, depth=1, residual=True)
+    return _ttt(name, memory, 1.0, every, level_kwargs)
 
 
 def ttt_mlp(
@@ -304,16 +310,10 @@ def ttt_mlp(
     hidden: int | None = None,
     **level_kwargs,
 ) -> Level:
-    """TTT-MLP: ``f(k) = k + LN(MLP(k))``, two layers of hidden ``4 d_k``, mini-batch SGD."""
-    return Level(
-        name,
-        memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k, depth=2, residual=True),
-        objective=objectives.l2,
-        update=rules.gradient_descent("lr", gate_kinds=_bounded_lr(0.1)),
-        every=every,
-        fast=_fast_neural(_ttt_op, reads=("after_write",)),
-        **level_kwargs,
-    )
+    """TTT-MLP: ``f(k) = k + LN(MLP(k))``, two layers of hidden ``4 d_k``, mini-batch SGD of
+    lr in (0, 0.1)."""
+    memory = memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k, depth=2, residual=True)
+    return _ttt(name, memory, 0.1, every, level_kwargs)
 
 
 def titans(
