@@ -21,7 +21,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import optax
 from absl import app, flags
 

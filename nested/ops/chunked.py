@@ -2,18 +2,19 @@
 
 Every linear memory of :mod:`nested.ops` (Hebbian, delta, gated delta, Falcon-1/2/3, GDN-2,
 TTT-Linear) is an instance of one recurrence on a value-by-key state ``W (d_v, d_k)`` per batch
-element and head. Token ``t`` writes ``c`` key/value slots ``(k_{t,m}, v_{t,m})`` (``c = 1``
-except for Falcon-3's sliding window):
+element and head. Token ``t`` writes the ``c`` key/value pairs of its window, slot ``m`` holding
+``(k_{t-m}, w_t v_{t-m})`` (``c = 1`` except for Falcon-3's sliding window; pairs before the start
+of the sequence are zero):
 
-    W_t = Dec_t(W_{t-1}) + sum_m (v_{t,m} - beta_t * Dec'_t(W_{t-1}) k_{t,m}) k_{t,m}^T
+    W_t = Dec_t(W_{t-1}) + sum_m (w_t v_{t-m} - beta_t * Dec'_t(W_{t-1}) k_{t-m}) k_{t-m}^T
     o_t = W_t q_t
 
 ``Dec_t`` multiplies by ``gamma_t = exp(log_decay_t)``: a scalar per head ``(B, T, H)``, one
 factor per row ``(B, T, H, d_v)`` (Falcon-2) or per key column ``(B, T, H, d_k)`` (GDN-2,
 ``key_decay=True``). ``Dec'_t = Dec_t`` when ``erase_after_decay`` (gated delta:
 ``a W (I - b k k^T)``) and the identity otherwise (Falcon: ``(1 - e l) W - e (W x) x^T``).
-``beta`` is a scalar per head or one per value row; ``beta=None`` drops the erase term
-(Hebbian). Values are passed already scaled by their write strength.
+``beta`` and the write gain ``w`` are scalars per head or one per value row; ``beta=None`` drops
+the erase term (Hebbian) and ``w=None`` means values already scaled by their write strength.
 
 Chunkwise form (``exact=True``). In a chunk starting at state ``S`` with in-chunk cumulative
 log-decay ``g_t`` (``g^e_t`` the same up to the erase point), the state is
@@ -83,6 +84,8 @@ def delta_family(
     beta,
     log_decay,
     *,
+    write=None,
+    window: int = 1,
     key_decay: bool = False,
     erase_after_decay: bool = True,
     exact: bool = True,
@@ -93,11 +96,14 @@ def delta_family(
 
     Args:
       q: ``(B, T, H, d_k)`` queries (already multiplied by the read scale).
-      k: ``(B, T, H, c, d_k)`` keys, ``c`` slots per token.
-      v: ``(B, T, H, c, d_v)`` write-scaled values.
+      k: ``(B, T, H, d_k)`` keys.
+      v: ``(B, T, H, d_v)`` values.
       beta: ``None``, ``(B, T, H)`` or ``(B, T, H, d_v)`` erase strengths.
       log_decay: ``None``, ``(B, T, H)``, ``(B, T, H, d_v)`` or, with ``key_decay``,
         ``(B, T, H, d_k)`` log retention factors (``<= 0`` for a contraction).
+      write: ``None`` (values are used as given), ``(B, T, H)`` or ``(B, T, H, d_v)`` gains
+        ``w_t`` of the values written at token ``t``.
+      window: the number ``c`` of recent key/value pairs each token writes.
       key_decay: whether ``log_decay`` runs over key columns instead of value rows.
       erase_after_decay: whether the erase term reads the decayed state.
       exact: ``False`` gives mini-batch semantics (predictions read the chunk-start state).
@@ -112,27 +118,27 @@ def delta_family(
     dtype = jnp.result_type(q, k, v)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     # Scalar gates become one-row gates so that scalar and per-row gates share every formula.
-    beta = None if beta is None else _as_rows(beta.astype(dtype))
-    log_decay = None if log_decay is None else _as_rows(log_decay.astype(dtype))
+    beta, log_decay, write = (
+        None if x is None else _as_rows(x.astype(dtype)) for x in (beta, log_decay, write)
+    )
     state = jnp.zeros((b, h, dv, dk), dtype) if initial_state is None else initial_state
     state = state.astype(dtype)
     if chunk_size == 1:
+        k_slots, v_slots = _window(k, window), _window(v, window)  # (B, T, H, c, d)
+        if write is not None:
+            v_slots = write[..., None, :] * v_slots
         step = functools.partial(_token_step, key_decay=key_decay, after=erase_after_decay)
-        xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), (q, k, v, beta, log_decay))
+        xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), (q, k_slots, v_slots, beta, log_decay))
         state, o = jax.lax.scan(step, state, xs)
         return jnp.moveaxis(o, 0, 1), state
-    size = min(chunk_size, t)
+    # A chunk holds at least the window's c - 1 earlier tokens, which the next chunk reads.
+    size = max(min(chunk_size, t), window - 1)
     step = functools.partial(
-        _chunk_step,
-        slots=k.shape[-2],
-        key_decay=key_decay,
-        after=erase_after_decay,
-        exact=exact,
+        _chunk_step, window=window, key_decay=key_decay, after=erase_after_decay, exact=exact
     )
-    xs = jax.tree.map(
-        lambda x: _to_chunks(x, size), (q, _merge_slots(k), _merge_slots(v), beta, log_decay)
-    )
-    state, o = jax.lax.scan(jax.checkpoint(step), state, xs)
+    xs = jax.tree.map(lambda x: _to_chunks(x, size), (q, k, v, write, beta, log_decay))
+    halos = tuple(_halo(x, window - 1) for x in xs[1:3]) if window > 1 else (None, None)
+    state, o = jax.lax.scan(jax.checkpoint(step), state, xs + halos)
     o = jnp.moveaxis(o, 0, 2)  # (B, H, N, C, d_v)
     o = o.reshape(b, h, -1, dv)[:, :, :t]
     return jnp.swapaxes(o, 1, 2), state
@@ -142,9 +148,29 @@ def _as_rows(gate):
     return gate[..., None] if gate.ndim == 3 else gate
 
 
-def _merge_slots(x):
-    """(B, T, H, c, d) -> (B, T, H, c * d) so that chunking moves whole tokens."""
-    return x.reshape(x.shape[:3] + (-1,))
+def _window(x, c):
+    """(B, T, H, d) -> (B, T, H, c, d): slot m holds x_{t-m}, zero before the sequence start."""
+    if c == 1:
+        return x[..., None, :]
+    t = x.shape[1]
+    padded = jnp.pad(x, ((0, 0), (c - 1, 0), (0, 0), (0, 0)))
+    return jnp.stack([padded[:, c - 1 - m : c - 1 - m + t] for m in range(c)], axis=3)
+
+
+def _halo(chunks, width):
+    """(N, B, H, C, d) -> the last ``width`` tokens of the previous chunk (zeros for the first)."""
+    previous = chunks[:-1, ..., chunks.shape[-2] - width :, :]
+    first = jnp.zeros((1,) + previous.shape[1:], chunks.dtype)
+    return jnp.concatenate([first, previous], axis=0)
+
+
+def _window_rows(halo, x, c):
+    """Chunk ``x (..., C, d)`` after ``halo (..., c - 1, d)`` -> (..., C c, d): row ``t c + m``
+    holds token ``t - m``."""
+    extended = jnp.concatenate([halo, x], axis=-2)
+    size = x.shape[-2]
+    slots = [extended[..., c - 1 - m : c - 1 - m + size, :] for m in range(c)]
+    return jnp.stack(slots, axis=-2).reshape(x.shape[:-2] + (size * c, x.shape[-1]))
 
 
 def _to_chunks(x, size):
@@ -179,25 +205,25 @@ def _masked_exp(log_ratio, mask):
     return jnp.where(mask, jnp.exp(jnp.where(mask, log_ratio, 0.0)), 0.0)
 
 
-def _key_decayed_gram(a, b, log_a, log_b, block_start, mask):
+def _key_decayed_gram(a, b, log_a, log_b, block_start, block_end, mask):
     """``G_{rl} = sum_d a_{r,d} b_{l,d} exp(log_a_{r,d} - log_b_{l,d})`` on ``mask``, else 0.
 
     Rows ``a (..., R, d)`` and columns ``b (..., L, d)`` are grouped by token into sub-blocks
-    whose first tokens have the exclusive cumulative log-decays ``block_start (..., n, d)``; the
-    mask is causal, so a row only meets columns of its own or earlier sub-blocks. Between a row
-    of block I and a column of an earlier block J the decay splits at the block starts,
-    ``exp(log_a - s_I) exp(s_I - s_J) exp(s_J - log_b)``, into three factors ``<= 1`` and the
-    sum is a matmul; inside a sub-block it is formed pairwise, (r, l, d) at a time. No factor
-    exceeds 1, so arbitrarily strong decays cannot overflow.
+    whose first and last tokens have the cumulative log-decays ``block_start`` (exclusive) and
+    ``block_end`` (inclusive), ``(..., n, d)``; the mask is causal, so a row only meets columns
+    of its own or earlier sub-blocks. Between a row of block I and a column of an earlier block
+    J the decay splits as ``exp(log_a - s_I) exp(s_I - e_J) exp(e_J - log_b)`` into three
+    factors ``<= 1`` and the sum is a matmul; inside a sub-block it is formed pairwise, (r, l, d)
+    at a time. No factor exceeds 1, so arbitrarily strong decays cannot overflow.
     """
     n = block_start.shape[-2]
     rows, cols = a.shape[-2] // n, b.shape[-2] // n  # rows and columns per sub-block
     blocked = lambda x, size: x.reshape(x.shape[:-2] + (n, size, x.shape[-1]))
     earlier = np.tril(np.ones((n, n), bool), -1)  # block J < block I
     left = blocked(a * jnp.exp(log_a - jnp.repeat(block_start, rows, axis=-2)), rows)
-    right = blocked(b * jnp.exp(jnp.repeat(block_start, cols, axis=-2) - log_b), cols)
+    right = blocked(b * jnp.exp(jnp.repeat(block_end, cols, axis=-2) - log_b), cols)
     between = _masked_exp(
-        block_start[..., :, None, :] - block_start[..., None, :, :], earlier[:, :, None]
+        block_start[..., :, None, :] - block_end[..., None, :, :], earlier[:, :, None]
     )  # (..., I, J, d)
     right = (between[..., :, :, None, :] * right[..., None, :, :, :]).reshape(
         block_start.shape[:-2] + (n, b.shape[-2], b.shape[-1])
@@ -229,12 +255,12 @@ def _apply_rows(matrix, x):
     return jnp.swapaxes(jnp.sum(matrix * jnp.swapaxes(x, -1, -2)[..., :, None, :], axis=-1), -1, -2)
 
 
-def _chunk_step(state, xs, *, slots, key_decay, after, exact):
+def _chunk_step(state, xs, *, window, key_decay, after, exact):
     """One chunk of the general rule: masked matmuls and one triangular inverse per chunk."""
-    q, k, v, beta, log_decay = xs  # (B, H, C, d_k), (B, H, C, c d_k), (B, H, C, c d_v), gates
-    size, dk = q.shape[-2:]
-    k = k.reshape(k.shape[:-2] + (size * slots, dk))  # row r of a chunk is token r // slots
-    v = v.reshape(k.shape[:-1] + (-1,))
+    q, k, v, write, beta, log_decay, k_halo, v_halo = xs  # (B, H, C, d) and gates (B, H, C, R)
+    size, slots = q.shape[-2], window
+    if window > 1:  # row r of a chunk is slot r % c of token r // c
+        k, v = _window_rows(k_halo, k, window), _window_rows(v_halo, v, window)
     length = k.shape[-2]
     token = np.arange(length) // slots  # static masks: constants of the program
     causal = np.arange(size)[:, None] >= token[None, :]  # (C, L): query t sees rows of tokens <= t
@@ -244,6 +270,8 @@ def _chunk_step(state, xs, *, slots, key_decay, after, exact):
         return x if slots == 1 else jnp.repeat(x, slots, axis=axis)
 
     erase = beta is not None
+    if write is not None:
+        v = rows(write) * v
     k_t = jnp.swapaxes(k, -1, -2)
 
     # Decay factors between positions, (..., R, C, L) for queries and (..., R, L, L) for erases;
@@ -260,11 +288,10 @@ def _chunk_step(state, xs, *, slots, key_decay, after, exact):
         if key_decay:
             q_read, k_erase = jnp.exp(g) * q, jnp.exp(rows(g_erase)) * k
             sub = _sub_block(size)
-            start = (g - log_decay)[..., ::sub, :]  # exclusive cumulative decay at sub-block starts
-            scores = _key_decayed_gram(q, k, g, rows(g), start, causal)
-            scores = _add_row_axis(scores)
+            ends = (g - log_decay)[..., ::sub, :], g[..., sub - 1 :: sub, :]  # sub-block ends
+            scores = _add_row_axis(_key_decayed_gram(q, k, g, rows(g), *ends, causal))
             if erase:
-                coupling = _key_decayed_gram(k, k, rows(g_erase), rows(g), start, strict)
+                coupling = _key_decayed_gram(k, k, rows(g_erase), rows(g), *ends, strict)
                 coupling = _add_row_axis(coupling)
         else:
             g_cols = rows(jnp.swapaxes(g, -1, -2)[..., None, :], axis=-1)  # (..., R, 1, L)

@@ -34,8 +34,8 @@ def linear_attention(q, k, v, *, initial_state=None, chunk_size=None, scale=1.0)
     size = chunk_size or default_chunk_size(erase=False)
     return delta_family(
         q * scale,
-        k[..., None, :],
-        v[..., None, :],
+        k,
+        v,
         None,
         None,
         initial_state=initial_state,
@@ -64,8 +64,8 @@ def delta_rule(q, k, v, beta, *, initial_state=None, chunk_size=None, scale=1.0)
     size = chunk_size or default_chunk_size()
     return delta_family(
         q * scale,
-        k[..., None, :],
-        (beta[..., None] * v)[..., None, :],
+        k,
+        beta[..., None] * v,
         beta,
         None,
         initial_state=initial_state,
@@ -114,8 +114,8 @@ def gated_delta_rule(
     size = chunk_size or default_chunk_size()
     return delta_family(
         q * scale,
-        k[..., None, :],
-        (beta[..., None] * v)[..., None, :],
+        k,
+        beta[..., None] * v,
         beta,
         jnp.log(alpha) if log_alpha is None else log_alpha,
         erase_after_decay=True,

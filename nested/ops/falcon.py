@@ -18,8 +18,8 @@ restarts its window). ``window=1`` is Falcon-1 exactly (the same computation), a
 ``beta`` combines with a window (gains ``e_{t,i}``).
 
 As an instance of :func:`nested.ops.chunked.delta_family`: retention ``a_t = 1 - e_t l_t``
-(a per-head or per-row decay), erase strength ``e_t`` applied to the undecayed state, values
-``e_t v_i`` and one key/value slot per window sample. Applying the erase before the decay
+(a per-head or per-row decay), erase strength and write gain ``e_t``, the erase applied to the
+undecayed state, and a window of ``c`` key/value pairs per token. Erasing before the decay
 avoids the division in the equivalent gated-delta form (``beta' = e_t / a_t``), which is
 ill-conditioned when ``a_t`` is small. ``beta`` in [0, 1] keeps ``a_t > 0`` (needed for the
 log-retentions of the chunked form); ``x`` is the temporally aligned input ``x_t = phi(k_{t-1})``
@@ -77,33 +77,29 @@ def falcon(
     validation.check_state(initial_state, b, h, dv, dk)
     validation.check_chunk_size(chunk_size)
 
-    xs, vs = _window(x, window), _window(v, window)  # (B, T, H, c, d)
-    norm = jnp.sum(jnp.square(xs), axis=(-2, -1)) + lam + eps  # (B, T, H)
+    norm = _window_sum(jnp.sum(jnp.square(x), axis=-1), window) + lam + eps  # (B, T, H)
     if per_channel:
-        gain = beta / norm[..., None]  # (B, T, H, d_v)
+        gain = beta / norm[..., None]  # (B, T, H, d_v): e_{t,i}
         retention = jnp.log1p(-gain * lam[..., None])
-        values = gain[..., None, :] * vs
     else:
         gain = beta / norm
         retention = jnp.log1p(-gain * lam)
-        values = gain[..., None, None] * vs
-    size = chunk_size or default_chunk_size(row_gates=per_channel, key_decay=False, slots=window)
+    size = chunk_size or default_chunk_size(row_gates=per_channel, slots=window)
     return delta_family(
         q * scale,
-        xs,
-        values,
+        x,
+        v,
         gain,
         retention,
+        write=gain,
+        window=window,
         erase_after_decay=False,
         initial_state=initial_state,
         chunk_size=size,
     )
 
 
-def _window(x, c):
-    """(B, T, H, d) -> (B, T, H, c, d): slot m holds x_{t-m}, zero before the sequence start."""
-    if c == 1:
-        return x[..., None, :]
-    t = x.shape[1]
-    padded = jnp.pad(x, ((0, 0), (c - 1, 0), (0, 0), (0, 0)))
-    return jnp.stack([padded[:, c - 1 - m : c - 1 - m + t] for m in range(c)], axis=3)
+def _window_sum(x, c):
+    """``sum_{m < c} x_{t-m}`` over axis 1 of ``x (B, T, H)``, zeros before the start."""
+    padded = jnp.pad(x, ((0, 0), (c - 1, 0), (0, 0)))
+    return sum(padded[:, c - 1 - m : c - 1 - m + x.shape[1]] for m in range(c))

@@ -49,8 +49,8 @@ def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=Non
     size = chunk_size or default_chunk_size(key_decay=True)
     return delta_family(
         q * scale,
-        u[..., None, :],
-        (write * v)[..., None, :],
+        u,
+        write * v,
         jnp.ones((b, t, h), u.dtype),
         log_decay,
         key_decay=True,

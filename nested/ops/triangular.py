@@ -16,7 +16,6 @@ exact arithmetic (no series truncation).
 import jax
 import jax.numpy as jnp
 
-
 _SMALL = 4  # largest block size multiplied elementwise instead of by a dot
 
 

@@ -41,8 +41,8 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
     validation.check_chunk_size(chunk_size, required=True)
     return delta_family(
         q * scale,
-        k[..., None, :],
-        (lr[..., None] * v)[..., None, :],
+        k,
+        lr[..., None] * v,
         lr,
         None,
         exact=False,

@@ -1,0 +1,191 @@
+"""Forward+backward throughput of the linear-memory ops: chunked default path vs per-token scan.
+
+    .venv/bin/python benchmarks/ops_throughput.py                  # T = 1024 and 4096
+    .venv/bin/python benchmarks/ops_throughput.py --T 1024 --peers  # + PyTorch peers, same job
+    .venv/bin/python benchmarks/ops_throughput.py --ops delta_rule --T 4096 --chunks 16 32 64
+
+For every op at B=4, H=4, d_k=d_v=64 (float32): tokens/s (B*T / median seconds of a jitted
+gradient of ``sum(o) + sum(final_state)`` w.r.t. every input, after a warm-up) of the default path
+(``chunk_size=None``) and of the per-token ``lax.scan`` (``chunk_size=1``), their ratio, and the
+temporary memory XLA allocates for each compiled program. The float32 2048x2048 matmul rate is
+measured in the same run, so rows can be read as a fraction of this machine's peak. ``--peers``
+runs ../shared/peers/bench_peers.py in its own torch venv and prints its rows next to ours.
+``ttt_linear``'s chunk is semantic (mini-batch 16 vs online SGD), so its ratio compares two rules.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+from nested import ops
+
+B, H, D = 4, 4, 64
+PEERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers")
+
+
+def make_inputs(t, seed=0):
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
+    k = normal(B, t, H, D)
+    gate = normal(B, t, H, D)
+    return {
+        "q": normal(B, t, H, D),
+        "k": k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+        "v": normal(B, t, H, D),
+        "beta": jax.nn.sigmoid(gate[..., 0]),
+        "beta_rows": jax.nn.sigmoid(gate),
+        "log_alpha": -jax.nn.softplus(gate[..., 1] - 2.0),
+        "lam": jax.nn.softplus(gate[..., 2]),
+        "erase": jax.nn.sigmoid(gate[..., ::-1]),
+        "write": jax.nn.sigmoid(normal(B, t, H, D)),
+        "log_decay": -jax.nn.softplus(normal(B, t, H, D) - 2.0),
+    }
+
+
+# name -> (op(inputs, chunk_size), the inputs it reads and differentiates)
+OPS = {
+    "linear_attention": (
+        lambda a, c: ops.linear_attention(a["q"], a["k"], a["v"], chunk_size=c),
+        ("q", "k", "v"),
+    ),
+    "delta_rule": (
+        lambda a, c: ops.delta_rule(a["q"], a["k"], a["v"], a["beta"], chunk_size=c),
+        ("q", "k", "v", "beta"),
+    ),
+    "gated_delta_rule": (
+        lambda a, c: ops.gated_delta_rule(
+            a["q"], a["k"], a["v"], a["beta"], log_alpha=a["log_alpha"], chunk_size=c
+        ),
+        ("q", "k", "v", "beta", "log_alpha"),
+    ),
+    "falcon (1)": (
+        lambda a, c: ops.falcon(a["q"], a["k"], a["v"], a["beta"], a["lam"], chunk_size=c),
+        ("q", "k", "v", "beta", "lam"),
+    ),
+    "falcon (2: per-channel)": (
+        lambda a, c: ops.falcon(a["q"], a["k"], a["v"], a["beta_rows"], a["lam"], chunk_size=c),
+        ("q", "k", "v", "beta_rows", "lam"),
+    ),
+    "falcon (3: window 4)": (
+        lambda a, c: ops.falcon(
+            a["q"], a["k"], a["v"], a["beta"], a["lam"], window=4, chunk_size=c
+        ),
+        ("q", "k", "v", "beta", "lam"),
+    ),
+    "gdn2": (
+        lambda a, c: ops.gdn2(
+            a["q"], a["k"], a["v"], a["erase"], a["write"], a["log_decay"], chunk_size=c
+        ),
+        ("q", "k", "v", "erase", "write", "log_decay"),
+    ),
+    "ttt_linear (mini-batch 16)": (
+        lambda a, c: ops.ttt_linear(
+            a["q"], a["k"], a["v"], a["beta"], initial_state=None, chunk_size=c or 16
+        ),
+        ("q", "k", "v", "beta"),
+    ),
+}
+
+
+def median_seconds(fn, args, runs):
+    jax.block_until_ready(fn(*args))  # warm-up (compilation is done before)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(op, names, inputs, chunk, runs):
+    """(tokens/s, temporary MiB) of the jitted forward+backward pass."""
+    rest = {n: x for n, x in inputs.items() if n not in names}
+
+    def loss(diff):
+        o, state = op({**rest, **diff}, chunk)
+        return jnp.sum(o) + jnp.sum(state)
+
+    diff = {n: inputs[n] for n in names}
+    compiled = jax.jit(jax.grad(loss)).lower(diff).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    seconds = median_seconds(compiled, (diff,), runs)
+    return B * inputs["q"].shape[1] / seconds, temp
+
+
+def matmul_gflops():
+    a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * 2048**3 / median_seconds(f, (a,), 7) / 1e9
+
+
+def run_peers(lengths, runs):
+    python = subprocess.run(
+        ["bash", os.path.join(PEERS, "setup.sh")], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    results = []
+    for t in lengths:
+        out = subprocess.run(
+            [python, os.path.join(PEERS, "bench_peers.py"), "--T", str(t), "--runs", str(runs)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), metavar="OP")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra chunk sizes")
+    parser.add_argument("--no-per-token", action="store_true", help="skip chunk_size=1 rows")
+    parser.add_argument("--peers", action="store_true", help="also run the PyTorch peers")
+    args = parser.parse_args()
+
+    gflops = matmul_gflops()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
+    print(f"float32 2048x2048 matmul: {gflops:.1f} GFLOP/s; B={B}, H={H}, d_k=d_v={D}, float32\n")
+    header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
+    header += [f"C={c} tok/s" for c in args.chunks]
+    header += ["default temp MiB", "per-token temp MiB"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    ours = {}
+    for t in args.T:
+        inputs = make_inputs(t)
+        for name in args.ops:
+            op, names = OPS[name]
+            fast, fast_mem = measure(op, names, inputs, None, args.runs)
+            ours[(name, t)] = fast
+            swept = [measure(op, names, inputs, c, args.runs)[0] for c in args.chunks]
+            slow, slow_mem = float("nan"), float("nan")
+            if not args.no_per_token:
+                slow, slow_mem = measure(op, names, inputs, 1, args.runs)
+            row = [name, str(t), f"{fast:,.0f}", f"{slow:,.0f}", f"{fast / slow:.1f}x"]
+            row += [f"{rate:,.0f}" for rate in swept]
+            row += [f"{fast_mem:.0f}", f"{slow_mem:.0f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+    if args.peers:
+        print("\nPyTorch peers, same job (fla-core's pure-PyTorch chunkwise delta rule):\n")
+        print("| peer | T | peer tok/s | our delta_rule default tok/s | ours / peer |")
+        print("|---|---|---|---|---|")
+        for result in run_peers(args.T, args.runs):
+            t = result["T"]
+            mine = ours.get(("delta_rule", t), float("nan"))
+            for row, rate in result["tokens_per_s"].items():
+                ratio = f"{mine / rate:.2f}x" if row.startswith("fla") else "(other rule)"
+                print(f"| {row} | {t} | {rate:,.0f} | {mine:,.0f} | {ratio} |")
+            print(f"| torch matmul GFLOP/s: {result['torch_matmul_gflops']} | {t} | | | |")
+
+
+if __name__ == "__main__":
+    main()
