@@ -10,6 +10,12 @@ import nested as nl
 from nested import inner
 
 B, H, DK, DV = 2, 2, 3, 4
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def fast_jit(fn):
+    """Tiny test programs: compile time dominates, so skip XLA's expensive passes."""
+    return jax.jit(fn, compiler_options=FAST_COMPILE)
 
 
 def make_context(T, seed=0, gates=("beta",)):
@@ -31,28 +37,26 @@ def initial(level, seed=1):
 
 
 def reference(ctx, W0, every, step, read="after_write"):
-    """Plain loop over memories and tokens: gradients at the chunk start, ``step`` per token.
+    """Plain loop over tokens for each memory: gradients at the chunk start, ``step`` per token.
 
-    ``step(W, S, grad, W_chunk_start, t gates) -> (W, S)``; grad is that of 1/2|W k - v|^2.
+    ``step(W, S, k, v, W_chunk_start, gates) -> (W, S)``; the loop over tokens is written out,
+    the memories (batch x heads) are vmapped.
     """
     T = ctx.k.shape[1]
-    outs = np.zeros((B, T, H, DV)).tolist()
-    finals = []
-    for b in range(B):
-        row = []
-        for h in range(H):
-            W, S = W0[b, h], jnp.zeros_like(W0[b, h])
-            for t in range(T):
-                if t % every == 0:
-                    W_start = W
-                gates = {n: g[b, t, h] for n, g in ctx.gates.items()}
-                k, v = ctx.k[b, t, h], ctx.v[b, t, h]
-                W, S = step(W, S, k, v, W_start, gates)
-                W_read = W if read == "after_write" else W_start
-                outs[b][t][h] = W_read @ ctx.q[b, t, h]
-            row.append(W)
-        finals.append(jnp.stack(row))
-    return jnp.array(outs), jnp.stack(finals)
+
+    def one(W, k, v, q, gates):
+        S, outs = jnp.zeros_like(W), []
+        for t in range(T):
+            if t % every == 0:
+                W_start = W
+            W, S = step(W, S, k[t], v[t], W_start, {n: g[t] for n, g in gates.items()})
+            outs.append((W if read == "after_write" else W_start) @ q[t])
+        return jnp.stack(outs), W
+
+    heads_first = lambda x: jnp.moveaxis(x, 2, 1)  # (B, T, H, ...) -> (B, H, T, ...)
+    args = jax.tree.map(heads_first, (ctx.k, ctx.v, ctx.q, ctx.gates))
+    o, W = jax.vmap(jax.vmap(one))(W0, *args)
+    return jnp.moveaxis(o, 1, 2), W
 
 
 def delta_step(W, S, k, v, W_start, g):
@@ -118,10 +122,10 @@ def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
         return reference(ctx, W0, every, step, read)
 
     W0 = state.params["W"]
-    for a, b in zip(ours(ctx, W0), theirs(ctx, W0), strict=True):
+    for a, b in zip(fast_jit(ours)(ctx, W0), fast_jit(theirs)(ctx, W0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     grads = [
-        jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1))(ctx, W0)
+        fast_jit(jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1)))(ctx, W0)
         for f in (ours, theirs)
     ]
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
