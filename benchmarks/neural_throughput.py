@@ -19,35 +19,17 @@ its rows with our ratio against them. Compare only within one run: the machine i
 """
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing
 
 from nested import ops
 
 B, H, D, HIDDEN = 4, 4, 64, 256
-PEERS = "/work/shared/peers"
-
-
-def median_seconds(fn, args, runs):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_gflops():
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
-    return 2 * 2048**3 / median_seconds(jax.jit(lambda a: a @ a), (a,), 7) / 1e9
 
 
 def inputs(t, d_k):
@@ -106,21 +88,9 @@ def measure(op, chunk, t, runs, **config):
     fwd = jax.jit(loss)
     both = jax.jit(jax.grad(loss, argnums=(0, 1)))
     temp = both.lower(x, state).compile().memory_analysis().temp_size_in_bytes
-    t_fwd = median_seconds(fwd, (x, state), runs)
-    t_both = median_seconds(both, (x, state), runs)
+    t_fwd = timing.median_seconds(fwd, (x, state), runs)
+    t_both = timing.median_seconds(both, (x, state), runs)
     return {"fwd": B * t / t_fwd, "fwd_bwd": B * t / t_both, "ratio": t_both / t_fwd, "temp": temp}
-
-
-def peer_rows(t, runs):
-    setup = subprocess.run(
-        ["bash", f"{PEERS}/setup.sh"], capture_output=True, text=True, check=True
-    )
-    python = setup.stdout.strip().splitlines()[-1]
-    out = subprocess.run(
-        [python, f"{PEERS}/bench_peers.py", "--T", str(t), "--runs", str(runs)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -143,13 +113,13 @@ def main():
         *[(f"ATLAS+Muon(5) C={c}", "atlas", c, args.muon_T, {"muon_steps": 5}) for c in (16, 1)],
     ]
     rows = [row for row in rows if args.only in row[0]]
-    gflops = matmul_gflops()
+    gflops = timing.matmul_gflops()
     results = {}
     for label, op, chunk, length, config in rows:
         start = time.perf_counter()
         results[label] = measure(op, chunk, length, args.runs, **config)
         print(f"{label}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    peers = peer_rows(t, args.runs) if args.peers else None
+    peers = timing.peer_rows(t, args.runs) if args.peers else None
 
     print(f"\nB={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32, {jax.devices()[0]},", end="")
     print(f" jax {jax.__version__}; 2048^2 matmul: {gflops:.0f} GFLOP/s (JAX)", end="")

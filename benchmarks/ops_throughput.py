@@ -14,19 +14,15 @@ runs ../shared/peers/bench_peers.py in its own torch venv and prints its rows ne
 """
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
+import timing
 
 from nested import ops
 
 B, H, D = 4, 4, 64
-PEERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers")
 
 
 def make_inputs(t, seed=0):
@@ -93,16 +89,6 @@ OPS = {
 }
 
 
-def median_seconds(fn, args, runs):
-    jax.block_until_ready(fn(*args))  # warm-up (compilation is done before)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(op, names, inputs, chunk, runs):
     """(tokens/s, temporary MiB) of the jitted forward+backward pass."""
     rest = {n: x for n, x in inputs.items() if n not in names}
@@ -114,30 +100,8 @@ def measure(op, names, inputs, chunk, runs):
     diff = {n: inputs[n] for n in names}
     compiled = jax.jit(jax.grad(loss)).lower(diff).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-    seconds = median_seconds(compiled, (diff,), runs)
+    seconds = timing.median_seconds(compiled, (diff,), runs)
     return B * inputs["q"].shape[1] / seconds, temp
-
-
-def matmul_gflops():
-    a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    return 2 * 2048**3 / median_seconds(f, (a,), 7) / 1e9
-
-
-def run_peers(lengths, runs):
-    python = subprocess.run(
-        ["bash", os.path.join(PEERS, "setup.sh")], capture_output=True, text=True, check=True
-    ).stdout.split()[-1]
-    results = []
-    for t in lengths:
-        out = subprocess.run(
-            [python, os.path.join(PEERS, "bench_peers.py"), "--T", str(t), "--runs", str(runs)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
 
 
 def main():
@@ -150,7 +114,7 @@ def main():
     parser.add_argument("--peers", action="store_true", help="also run the PyTorch peers")
     args = parser.parse_args()
 
-    gflops = matmul_gflops()
+    gflops = timing.matmul_gflops()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
     print(f"float32 2048x2048 matmul: {gflops:.1f} GFLOP/s; B={B}, H={H}, d_k=d_v={D}, float32\n")
     header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
@@ -178,7 +142,7 @@ def main():
         print("\nPyTorch peers, same job (fla-core's pure-PyTorch chunkwise delta rule):\n")
         print("| peer | T | peer tok/s | our delta_rule default tok/s | ours / peer |")
         print("|---|---|---|---|---|")
-        for result in run_peers(args.T, args.runs):
+        for result in (timing.peer_rows(t, args.runs) for t in args.T):
             t = result["T"]
             mine = ours.get(("delta_rule", t), float("nan"))
             for row, rate in result["tokens_per_s"].items():
