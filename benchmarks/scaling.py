@@ -130,11 +130,15 @@ def main(argv):
             )
     if FLAGS.devices:
         one, eight = device_losses(1), device_losses(8)
-        diff = max(abs(a - b) for a, b in zip(one, eight, strict=True))
-        print("\n| devices | final loss | max abs loss difference vs 1 device (20 steps) |")
-        print("|---|---|---|")
-        print(f"| 1 | {one[-1]:.5f} | 0 |")
-        print(f"| 8 | {eight[-1]:.5f} | {diff:.2e} |")
+        diffs = [abs(a - b) for a, b in zip(one, eight, strict=True)]
+        # Step 1 differs by summation order alone; later steps add Adam's amplification of it.
+        print(
+            "\n| devices | loss, step 1 | loss, step 20 | abs difference vs 1 device: step 1 "
+            "| max over 20 steps |"
+        )
+        print("|---|---|---|---|---|")
+        print(f"| 1 | {one[0]:.6f} | {one[-1]:.6f} | 0 | 0 |")
+        print(f"| 8 | {eight[0]:.6f} | {eight[-1]:.6f} | {diffs[0]:.1e} | {max(diffs):.1e} |")
 
 
 if __name__ == "__main__":

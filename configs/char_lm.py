@@ -5,20 +5,52 @@ Python standard library's own sources, held-out files scored in bits per charact
 ``--config.task.path=/some/text/or/folder`` trains on other text.
 
 Variants: ``configs/char_lm.py:<variant>`` with a variant of ``VARIANTS`` (default
-``delta``); a variant is the memory level's rule and settings, so adding one (Hope, when
-its model is registered) is one line there. Overrides as usual:
-``--config.levels.memory.every=16``, ``--config.model.dim=256``.
+``delta``); a variant is the model's mixer settings and its levels:
+
+* ``delta``, ``ttt_linear``, ``ttt_mlp``, ``titans``: the mixer is the memory level alone;
+* ``titans_mag``: Titans memory-as-gate, the memory gating sliding-window attention (32);
+* ``hope``: Hope (Nested Learning): a self-modifying Titans memory whose key, value and
+  query projections are fast memories (``levels.projections``, updated every 16 tokens on
+  self-generated targets, owning ``levels.memory``), and a Continuum Memory System of three
+  MLP blocks in place of the MLP, learning from the loss over windows of 16, 64 and 128
+  tokens (``levels.cms1..cms3``).
+
+Titans' memory updates at every token (``every=1``): in chunks (``every=16``, 8 or 4) its
+step-size and momentum gates, sized for one token, add up over a chunk of correlated text
+and the memory diverges (non-finite loss in the first steps; see RESULTS.md).
+
+Overrides as usual: ``--config.levels.memory.every=16``, ``--config.model.dim=256``,
+``--config.levels.cms2.every=32``.
 """
 
 from ml_collections import config_dict
 
 from nested import config as nc
 
+SEQ_LEN = 128
+CMS_PERIODS = (16, 64, 128)  # Hope's CMS levels, fastest first; each divides the next
+
 VARIANTS = {
-    "delta": dict(rule="delta"),  # DeltaNet, online
-    "ttt_linear": dict(rule="ttt_linear"),  # TTT-Linear, mini-batches of 16 tokens
-    "ttt_mlp": dict(rule="ttt_mlp"),  # TTT-MLP
-    "titans": dict(rule="titans", every=16),  # Titans' neural memory, chunks of 16
+    "delta": dict(levels={"memory": dict(rule="delta")}),  # DeltaNet, online
+    "ttt_linear": dict(levels={"memory": dict(rule="ttt_linear")}),  # mini-batches of 16
+    "ttt_mlp": dict(levels={"memory": dict(rule="ttt_mlp")}),
+    "titans": dict(levels={"memory": dict(rule="titans")}),
+    "titans_mag": dict(model=dict(mixer="gate", window=32), levels={"memory": dict(rule="titans")}),
+    "hope": dict(
+        model=dict(
+            mixer="self_modifying",
+            projections="projections",
+            cms=tuple(f"cms{i}" for i in range(1, len(CMS_PERIODS) + 1)),
+        ),
+        levels={
+            "memory": dict(rule="titans", owner="projections"),
+            "projections": dict(rule="projections", every=16),
+            **{
+                f"cms{i}": dict(rule="cms", every=every, lr=0.01)
+                for i, every in enumerate(CMS_PERIODS, start=1)
+            },
+        },
+    ),
 }
 
 
@@ -26,12 +58,17 @@ def get_config(arg=None):
     variant = arg or "delta"
     if variant not in VARIANTS:
         raise nc.ConfigError(f"configs/char_lm.py:{variant}: allowed variants {sorted(VARIANTS)}")
+    spec = VARIANTS[variant]
     config = config_dict.ConfigDict()
     config.seed = 0
-    config.task = nc.task_config("char_lm", seq_len=128)
-    layer = nc.RULE_LAYER.get(VARIANTS[variant]["rule"], {})
-    config.model = nc.model_config("memory_lm", level="memory", dim=128, heads=4, layers=2, **layer)
-    config.levels = config_dict.ConfigDict({"memory": nc.level_config(**VARIANTS[variant])})
+    config.task = nc.task_config("char_lm", seq_len=SEQ_LEN)
+    layer = nc.RULE_LAYER.get(spec["levels"]["memory"]["rule"], {})
+    config.model = nc.model_config(
+        "memory_lm", level="memory", dim=128, heads=4, layers=2, **layer, **spec.get("model", {})
+    )
+    config.levels = config_dict.ConfigDict(
+        {name: nc.level_config(**fields) for name, fields in spec["levels"].items()}
+    )
     config.optimizer = nc.optimizer_config(
         "adamw", learning_rate=2e-3, weight_decay=0.1, b2=0.98, warmup_steps=100
     )

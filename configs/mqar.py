@@ -7,7 +7,11 @@ query accuracy 0.990 / 0.995 / 0.998 on the three trained settings and 0.941 on 
 length and pairs (128 tokens, 32 pairs), mean 0.981.
 
 Variants: ``configs/mqar.py:<rule>`` for any rule of ``nested.recipes.RULES`` (default
-``delta``), e.g. ``--config configs/mqar.py:gated_delta``. Overrides: ``--config.model.dim=128``,
+``delta``), e.g. ``--config configs/mqar.py:gated_delta``; and ``configs/mqar.py:hope``, a
+small Hope model: a self-modifying DeltaNet memory (``levels.memory``, owned by its key, value
+and query projections, ``levels.projections``, fast memories updated every 8 tokens) and a
+Continuum Memory System of two MLP blocks learning over windows of 16 and 64 tokens
+(``levels.cms1``, ``levels.cms2``). Overrides: ``--config.model.dim=128``,
 ``--config.levels.memory.every=16`` (mini-batch TTT), ``--config.train.steps=2000``.
 
 Differences from Zoology, for a CPU budget of minutes: vocabulary 256 instead of 8192 (at
@@ -22,13 +26,32 @@ Zoology's settings (for an accelerator).
 from ml_collections import config_dict
 
 from nested import config as nc
+from nested import recipes
 
 TRAIN = ((64, 4), (64, 8), (64, 16))
 TEST = (*TRAIN, (128, 32))  # the last one: twice the trained length and pairs
 
+# Variants that are not one memory rule: the model's mixer settings and its levels (CMS
+# periods divide every sequence length, 64 and 128).
+VARIANTS = {
+    "hope": dict(
+        model=dict(mixer="self_modifying", projections="projections", cms=("cms1", "cms2")),
+        levels={
+            "memory": dict(rule="delta", owner="projections"),
+            "projections": dict(rule="projections", every=8),
+            "cms1": dict(rule="cms", every=16),
+            "cms2": dict(rule="cms", every=64),
+        },
+    ),
+}
+
 
 def get_config(arg=None):
     rule = arg or "delta"
+    if rule not in VARIANTS and rule not in recipes.RULES:
+        allowed = sorted({*recipes.RULES, *VARIANTS})
+        raise nc.ConfigError(f"variant {rule!r} is unknown; allowed variants: {allowed}")
+    spec = VARIANTS.get(rule, dict(levels={"memory": dict(rule=rule)}))
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config("mqar", vocab_size=256, train_settings=TRAIN, test_settings=TEST)
@@ -39,9 +62,12 @@ def get_config(arg=None):
         heads=2,
         layers=1,
         mlp_ratio=0,
-        **nc.RULE_LAYER.get(rule, {}),
+        **nc.RULE_LAYER.get(spec["levels"]["memory"]["rule"], {}),
+        **spec.get("model", {}),
     )
-    config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule)})
+    config.levels = config_dict.ConfigDict(
+        {name: nc.level_config(**fields) for name, fields in spec["levels"].items()}
+    )
     config.optimizer = nc.optimizer_config(
         "adamw", learning_rate=3e-3, weight_decay=0.1, b2=0.98, warmup_steps=50
     )

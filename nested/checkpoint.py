@@ -3,7 +3,9 @@
 :class:`Checkpointer` keeps the checkpoints of a training run in ``<directory>/<step>/``: the
 whole :class:`nested.State` (slow parameters, optimizer state, carried fast states, step, RNG)
 as the item ``state``, and JSON ``meta`` holding the data position (the index of the next
-training batch) and the signature of the state (path, shape and dtype of every leaf).
+training batch), the signature of the state (path, shape and dtype of every leaf), its
+fingerprint (below) and what else the caller saves with it (``extra``: the training loop's
+unfinished log window).
 
 * **Periodic, kept K**: ``save`` writes at multiples of ``every`` (or when forced) and keeps
   the ``keep`` latest.
@@ -16,6 +18,14 @@ training batch) and the signature of the state (path, shape and dtype of every l
   renamed ``<step>.damaged`` (kept for inspection, never listed or overwritten again) and the
   previous step is tried. A readable checkpoint of a *different* model (another config) is
   not damage: it raises :class:`CheckpointError`.
+* **Verified**: the meta holds one integer per leaf, the sum of the leaf's bit patterns
+  weighted by position modulo 2**32 (:func:`fingerprint`: integer arithmetic, so the same on
+  any number of devices); a restored state whose fingerprint differs (files that read without
+  error but hold other values: zero-filled chunks, mixed-up folders) is damage too. So a
+  checkpoint is either restored bit for bit or not used.
+* **Any mesh**: arrays are restored with the shardings of ``like`` (the caller's freshly
+  initialised state, placed on its mesh), whatever mesh they were saved from: a checkpoint
+  saved on 8 devices restores on 1 and the other way round.
 
 :func:`save_tree` / :func:`load_tree` store one pytree atomically (used by
 :mod:`nested.memory_state`). Typed PRNG keys are stored as their key data and re-wrapped.
@@ -32,6 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -52,11 +63,13 @@ class CheckpointError(RuntimeError):
 
 
 class Restored(NamedTuple):
-    """A restored checkpoint: its step, the state, and the index of the next batch."""
+    """A restored checkpoint: its step, the state, the index of the next batch, and the
+    ``extra`` saved with it."""
 
     step: int
     state: Any
     data_position: int
+    extra: dict = {}
 
 
 def _is_key(x) -> bool:
@@ -81,6 +94,27 @@ def _unstorable(tree, like):
 
 def _abstract(tree):
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, _storable(tree))
+
+
+def _bits_sum(x: jax.Array) -> jax.Array:
+    """``sum_i bits(x_i) * (2 i + 1) mod 2**32`` over the flattened ``x``."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    if bits.dtype.itemsize == 8:  # fold 64-bit patterns into 32 bits
+        bits = (bits ^ (bits >> 32)).astype(jnp.uint32)
+    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * 2 + 1
+    return jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda leaves: [_bits_sum(x) for x in leaves])
+
+
+def fingerprint(tree) -> list[int]:
+    """One integer per leaf of ``tree`` that any change of a stored bit changes (almost
+    surely); exact, so independent of the devices the arrays are spread over."""
+    leaves = jax.tree.leaves(_storable(tree))
+    return [int(v) for v in jax.device_get(_fingerprints(leaves))]
 
 
 def signature(tree) -> list[str]:
@@ -138,15 +172,25 @@ class Checkpointer:
         """Steps of the checkpoints on disk, oldest first."""
         return list(self._manager.all_steps())
 
-    def save(self, step: int, state, *, data_position: int, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state,
+        *,
+        data_position: int,
+        force: bool = False,
+        extra: dict | None = None,
+    ) -> bool:
         """Save ``state`` at ``step`` if ``step`` is a multiple of ``every`` (or ``force``)
-        and not saved yet; returns whether a save started."""
-        if step in self._manager.all_steps():
+        and not saved yet, with the JSON-able ``extra``; returns whether a save started."""
+        if step in self._manager.all_steps() or not (force or self._manager.should_save(int(step))):
             return False
         meta = {
             "step": int(step),
             "data_position": int(data_position),
             "signature": signature(state),
+            "fingerprint": fingerprint(state),
+            "extra": extra or {},
         }
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_storable(state)), meta=ocp.args.JsonSave(meta)
@@ -171,9 +215,15 @@ class Checkpointer:
                     f"or the config it was trained with"
                 )
             restored = self._attempt(step, state=ocp.args.StandardRestore(_abstract(like)))
-            if restored is not None:
-                state = _unstorable(restored.state, like)
-                return Restored(int(step), state, int(meta["data_position"]))
+            if restored is None:
+                continue
+            state = _unstorable(restored.state, like)
+            saved = meta.get("fingerprint")
+            if saved is not None and saved != (now := fingerprint(state)):
+                leaf = next(i for i, (a, b) in enumerate(zip(saved, now, strict=True)) if a != b)
+                self._set_aside(step, f"its arrays differ from the saved ones: {expected[leaf]}")
+                continue
+            return Restored(int(step), state, int(meta["data_position"]), meta.get("extra", {}))
         return None
 
     def _attempt(self, step: int, **items):

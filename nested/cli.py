@@ -8,12 +8,15 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
   unknown override key (``--config.model.dimm=3``) as a long ``AttributeError`` traceback;
   here it becomes ``error: --config.model.dimm: config.model has no key 'dimm'; allowed:
   [...]``.
-* :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line.
+* :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
+  run stopped by SIGTERM (:class:`nested.train.Stopped`, after its checkpoint) into one line
+  and exit status 143 (128 + SIGTERM), as a process killed by the signal would report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -23,6 +26,7 @@ from ml_collections import config_dict
 from nested import config as config_lib
 from nested.checkpoint import CheckpointError
 from nested.guards import NonFiniteError
+from nested.train import Stopped
 
 USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError)
 CONFIG_FLAG = "config"
@@ -97,11 +101,15 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the errors of :data:`USER_ERRORS` into ``error: <message>`` and exit status 1,
-    and Ctrl-C into a hint to resume (exit status 130)."""
+    a SIGTERM stop into its message and exit status 143, and Ctrl-C into a hint to resume
+    (exit status 130)."""
     try:
         yield
     except USER_ERRORS as error:
         sys.exit(f"error: {_one_line(error)}")
+    except Stopped as stopped:
+        print(_one_line(stopped), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         print(
             "interrupted: run the same command to resume from the last checkpoint", file=sys.stderr

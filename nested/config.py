@@ -6,13 +6,18 @@ or task is available to every config without editing one:
 * ``task.name`` -> :data:`nested.data.TASKS`; the other ``task`` keys are the task's fields;
 * ``model.name`` -> :data:`MODELS`; the other ``model`` keys are the model's hyperparameters
   and its *level slots*: the model arguments that take fast levels (``MemoryLM``: ``level``,
-  the mixer's level, and ``cms``, a tuple of CMS levels) hold names of ``levels`` entries;
-* ``levels.<name>.rule`` -> :data:`nested.recipes.RULES` (looked up when the config is
-  built, so a rule registered there is usable at once); the other keys are the recipe's
-  hyperparameters and the :class:`nested.Level` fields (``every``, ``persist``, ``chunk``,
-  ...), plus ``owner`` (the slower level producing its context; default the model);
+  the mixer's level, ``projections``, the projection level of the self-modifying mixer, and
+  ``cms``, a tuple of CMS levels) hold names of ``levels`` entries;
+* ``levels.<name>.rule`` -> :data:`nested.recipes.RULES` (the token-mixing memory rules) or
+  :data:`LEVELS` (the other levels a model can hold: ``cms`` blocks, Hope's
+  ``projections``), looked up when the config is built, so a rule registered there is usable
+  at once; the other keys are the recipe's hyperparameters and the :class:`nested.Level`
+  fields (``every``, ``persist``, ``chunk``, ...), plus ``owner`` (the slower level producing
+  its context: the model, the default, or another level, as Hope's memory is owned by its
+  ``projections``);
 * ``optimizer.name`` -> :data:`OPTIMIZERS`, the outermost level's update rule;
-* ``train``: the loop's settings (:data:`TRAIN_DEFAULTS`).
+* ``train``: the loop's settings (:data:`TRAIN_DEFAULTS`), with ``train.mesh``, how the run is
+  spread over the devices (:data:`MESH_DEFAULTS`, :mod:`nested.sharding`).
 
 So ``--config.levels.memory.every=16`` turns the online delta rule into mini-batch TTT.
 :func:`build` validates the whole config before anything is compiled and raises
@@ -36,7 +41,7 @@ from typing import Any, NamedTuple
 import optax
 from ml_collections import config_dict
 
-from nested import data, objectives, recipes, windows
+from nested import data, hope, memories, objectives, recipes, windows
 from nested.layers import MemoryLayer
 from nested.level import Level
 from nested.models import MemoryLM
@@ -65,6 +70,10 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         "skip_nonfinite": False,  # a non-finite step keeps the previous state (else: stop)
     }
 )
+# train.mesh (nested.sharding): `data` devices split the batch (0: every device not on
+# `model`), `model` devices split the memory heads; `shard_params` splits the slow parameters
+# along `data` too (else they are replicated).
+MESH_DEFAULTS = types.MappingProxyType({"data": 0, "model": 1, "shard_params": False})
 SCHEDULE_DEFAULTS = types.MappingProxyType(
     {"schedule": "cosine", "warmup_steps": 100, "min_lr_ratio": 0.1, "grad_clip": 1.0}
 )
@@ -81,6 +90,72 @@ RULE_LAYER = types.MappingProxyType(recipes.LAYER_OPTIONS)
 
 class ConfigError(ValueError):
     """An invalid config; the message names the key and the allowed values."""
+
+
+# -- level recipes that are not memory rules --------------------------------------------------
+
+
+def cms(
+    name: str = "cms",
+    *,
+    d_k: int,
+    d_v: int,
+    every: int,
+    hidden: int | None = None,
+    lr: float = 0.01,
+    momentum: float = 0.0,
+    **level_kwargs,
+) -> Level:
+    """A Continuum Memory System block (:mod:`nested.cms`): an MLP ``d_k -> d_v`` (hidden
+    ``4 d_k`` by default) that learns from the outer loss over its window every ``every``
+    tokens, by SGD of constant step ``lr`` (and ``momentum``; 0 for none)."""
+    return Level(
+        name,
+        memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k),
+        objective=objectives.window,
+        update=optax.sgd(lr, momentum=momentum or None),
+        every=every,
+        **level_kwargs,
+    )
+
+
+def projections(
+    name: str = "projections",
+    *,
+    d_k: int,
+    d_v: int,
+    every: int = 16,
+    lr_scale: float | None = None,
+    **level_kwargs,
+) -> Level:
+    """Hope's projection level (:func:`nested.hope.projection_level`), ``dim -> dim``
+    (``d_k == d_v == dim``), updated every ``every`` tokens on self-generated targets.
+
+    ``lr_scale`` multiplies the range (and initial value) of its step-size gate, ``(0, 1)``
+    in ``projection_level``. Default ``1 / (dim * every)``: a chunk's summed gradient has
+    curvature up to ``every * |x|^2 = every * dim`` for RMS-normalised inputs, so any step in
+    the range is stable (the unscaled range diverges at the first step of a width-128 model
+    on text).
+    """
+    if d_k != d_v:
+        raise ValueError(f"projections map dim -> dim: d_k={d_k} and d_v={d_v} must be equal")
+    level = hope.projection_level(d_k, every, name=name)
+    scale = 1.0 / (d_k * every) if lr_scale is None else lr_scale
+    gates = {
+        n: dataclasses.replace(g, init=g.init and g.init * scale, scale=g.scale * scale)
+        for n, g in level.rule.gates.items()
+    }
+    update = dataclasses.replace(level.rule, gates=gates)
+    return dataclasses.replace(level, update=update, **level_kwargs)
+
+
+# Levels a config can declare besides the memory rules of recipes.RULES, by name.
+LEVELS: dict[str, Callable[..., Level]] = {"cms": cms, "projections": projections}
+
+
+def _recipes() -> dict[str, Callable[..., Level]]:
+    """Every level recipe a config can name (read at call time: later registrations count)."""
+    return {**recipes.RULES, **LEVELS}
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -104,7 +179,7 @@ class ModelEntry:
 
 def _memory_lm_widths(slot: str, hyper: Mapping[str, Any]) -> tuple[int, int]:
     dim, heads = hyper["dim"], hyper["heads"]
-    if slot == "cms":  # a CMS block maps dim -> dim
+    if slot in ("cms", "projections"):  # a CMS block and Hope's projections map dim -> dim
         return dim, dim
     if not (isinstance(heads, int) and isinstance(dim, int) and heads >= 1 and dim >= 1):
         raise ConfigError(f"model.dim={dim!r} and model.heads={heads!r} must be ints >= 1")
@@ -137,10 +212,17 @@ def _value_type(hint: Any) -> type | None:
     return hint if hint in (int, float, str, bool) else None
 
 
-def _is_slot(hint: Any) -> bool:
-    return hint is Level or (
-        typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,)
-    )
+def _slot_kind(hint: Any) -> type | None:
+    """A level slot's config type: ``str`` for one level (``Level``, ``Level | None``),
+    ``tuple`` for several (``Sequence[Level]``); None if ``hint`` is not a slot."""
+    if hint is Level or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType)
+        and set(typing.get_args(hint)) == {Level, type(None)}
+    ):
+        return str
+    if typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,):
+        return tuple
+    return None
 
 
 def _parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
@@ -180,7 +262,7 @@ def _configurable(fn: Callable, skip: Sequence[str]) -> dict[str, tuple[Any, typ
     fields = {}
     for name, p in named.items():
         hint = hints.get(name)
-        kind = str if hint is Level else tuple if _is_slot(hint) else _value_type(hint)
+        kind = _slot_kind(hint) or _value_type(hint)
         if kind is None and p.default is not p.empty and p.default is not None:
             kind = type(p.default)
         if name not in skip and kind in (int, float, str, bool, tuple):
@@ -189,7 +271,7 @@ def _configurable(fn: Callable, skip: Sequence[str]) -> dict[str, tuple[Any, typ
 
 
 def _level_fields(rule: str) -> dict[str, tuple[Any, type | None]]:
-    recipe = _lookup("levels.*.rule", rule, recipes.RULES)
+    recipe = _lookup("levels.*.rule", rule, _recipes())
     fields = {"rule": (rule, str), "owner": (None, str)}
     fields.update(_configurable(recipe, skip=("name",)))
     if _parameters(recipe)[2]:
@@ -237,8 +319,9 @@ def _model_slots(entry: ModelEntry) -> dict[str, bool]:
     for fn, skip in _model_signatures(entry):
         named, hints, _ = _parameters(fn)
         for name in named:
-            if name not in skip and _is_slot(hints.get(name)):
-                slots.setdefault(name, hints[name] is not Level)
+            kind = _slot_kind(hints.get(name))
+            if name not in skip and kind is not None:
+                slots.setdefault(name, kind is tuple)
     return slots
 
 
@@ -274,9 +357,12 @@ def optimizer_config(name: str = "adamw", **hyper) -> config_dict.ConfigDict:
     return _section(_optimizer_fields(name), {"name": name, **hyper})
 
 
-def train_config(**fields) -> config_dict.ConfigDict:
-    """The ``train`` section, :data:`TRAIN_DEFAULTS` overridden by ``fields``."""
-    return _section({k: (v, type(v)) for k, v in TRAIN_DEFAULTS.items()}, fields)
+def train_config(*, mesh: Mapping[str, Any] | None = None, **fields) -> config_dict.ConfigDict:
+    """The ``train`` section, :data:`TRAIN_DEFAULTS` overridden by ``fields``, and its
+    ``mesh`` subsection, :data:`MESH_DEFAULTS` overridden by ``mesh``."""
+    section = _section({k: (v, type(v)) for k, v in TRAIN_DEFAULTS.items()}, fields)
+    section.mesh = _section({k: (v, type(v)) for k, v in MESH_DEFAULTS.items()}, mesh or {})
+    return section
 
 
 def load(spec: str) -> config_dict.ConfigDict:
@@ -359,7 +445,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
     slots = {n: model.get(n) for n in many_of}
     slot_of = {}
     for slot, names in slots.items():
-        for name in (names or ()) if many_of[slot] else [names]:
+        for name in (names or ()) if many_of[slot] else [names] if names is not None else []:
             if name not in config.levels:
                 raise ConfigError(
                     f"model.{slot}={name!r} is not a declared level; allowed: "
@@ -375,7 +461,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
                 f"{[f'model.{s}' for s in slots]} to {name!r}"
             )
         rule = section.get("rule")
-        _lookup(f"{key}.rule", rule, recipes.RULES)
+        _lookup(f"{key}.rule", rule, _recipes())
         fields = _level_fields(rule)
         values = _check_keys(key, section, fields)
         _check_period(key, values, task)
@@ -387,7 +473,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
             values["d_v"] = values.get("d_v") or d_v
         _required(key, values, fields)
         values = {k: v for k, v in values.items() if v is not None}
-        level = _wrapped(key, recipes.RULES[rule], name, **values)
+        level = _wrapped(key, _recipes()[rule], name, **values)
         if windows.is_window_level(level) and task.seq_len % level.every:
             raise ConfigError(
                 f"{key}.every={level.every} does not divide the task's sequence length "
@@ -422,7 +508,12 @@ def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
 
 
 def _check_train(config, carries_fast: bool) -> dict[str, Any]:
-    train = _check_keys("train", config.train, TRAIN_DEFAULTS)
+    train = _check_keys("train", config.train, {**TRAIN_DEFAULTS, "mesh": MESH_DEFAULTS})
+    mesh = {**MESH_DEFAULTS, **_check_keys("train.mesh", train.pop("mesh", {}), MESH_DEFAULTS)}
+    _positive("train.mesh.data", mesh["data"], zero=True)
+    _positive("train.mesh.model", mesh["model"])
+    if not isinstance(mesh["shard_params"], bool):
+        raise ConfigError(f"train.mesh.shard_params={mesh['shard_params']!r} must be True or False")
     train = {**TRAIN_DEFAULTS, **train}
     for name, value in train.items():
         if isinstance(TRAIN_DEFAULTS[name], bool):
@@ -449,7 +540,7 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
             f"{train['batch_size']}: a level with persist='stream' evaluates from the carried "
             f"fast state, one per batch row; allowed: {train['batch_size']}"
         )
-    return train
+    return {**train, "mesh": mesh}
 
 
 def _make_optimizer(config, steps: int):
@@ -524,6 +615,10 @@ def build(config: config_dict.ConfigDict) -> Experiment:
         every="step",
     )
     owners = {name: config.levels[name].get("owner") or OUTER for name in levels}
+    for name, owner in owners.items():
+        if owner not in (OUTER, *levels) or owner == name:
+            allowed = [OUTER, *(n for n in levels if n != name)]
+            raise ConfigError(f"levels.{name}.owner={owner!r} is unknown; allowed: {allowed}")
     system = _wrapped("levels", NestedSystem, [outer, *levels.values()], owners=owners)
     program = _wrapped("model", compile, system, skip_nonfinite=train["skip_nonfinite"])
     return Experiment(config, task, system, program, schedule)

@@ -11,6 +11,7 @@ the rest, which a resumed run reproduces exactly.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -55,7 +56,10 @@ class MetricWriter:
             self.path.write_text("")
         else:
             kept = [r for r in read(workdir) if r["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            # Replaced in one rename: a run killed here keeps its history.
+            fresh = self.path.with_name(self.path.name + ".tmp")
+            fresh.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(fresh, self.path)
         purge = None if resume_step is None else resume_step + 1
         self.tensorboard = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge)
 

@@ -11,6 +11,7 @@ training code is the same on 1 or N devices.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -91,17 +92,55 @@ def state_shardings(state: State, mesh: Mesh, *, shard_params: bool = False) -> 
     )
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P("data"))
+def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+    """Batches split along ``data`` on their batch axis: axis 0, or axis 1 when ``stacked``
+    on a leading axis of steps (the batches of one scanned call)."""
+    return NamedSharding(mesh, P(None, "data") if stacked else P("data"))
 
 
-def check_batch(batch_size: int, mesh: Mesh) -> None:
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def check_batch(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -> None:
+    """Raise ``ValueError`` naming ``name`` unless the data axis divides ``batch_size``."""
     n = _size(mesh, "data")
     if batch_size % n:
         raise ValueError(
-            f"batch_size={batch_size} is not divisible by the mesh's data axis ({n} devices); "
+            f"{name}={batch_size} is not divisible by the mesh's data axis ({n} devices); "
             f"use a multiple of {n}"
         )
+
+
+def describe(mesh: Mesh) -> str:
+    """``"data=4 x model=2 over 8 cpu devices"``."""
+    platform = mesh.devices.flat[0].platform
+    axes = f"data={mesh.shape['data']} x model={mesh.shape['model']}"
+    return f"{axes} over {mesh.size} {platform} device(s)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run's arrays live: the mesh and the shardings of its :class:`State`.
+
+    Build it from any state of the run's structure (arrays or ``jax.eval_shape`` output) with
+    :meth:`of`; checkpoints restored into a state of these shardings land on this mesh,
+    whatever mesh they were saved from.
+    """
+
+    mesh: Mesh
+    state: State  # a State whose leaves are NamedShardings
+
+    @classmethod
+    def of(cls, state: State, mesh: Mesh, *, shard_params: bool = False) -> Layout:
+        return cls(mesh, state_shardings(state, mesh, shard_params=shard_params))
+
+    def batch(self, *, stacked: bool = False) -> NamedSharding:
+        return batch_sharding(self.mesh, stacked=stacked)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return replicated(self.mesh)
 
 
 def place(state: State, mesh: Mesh, *, shard_params: bool = False) -> State:
@@ -115,14 +154,16 @@ def jit_steps(program: Program, state: State, mesh: Mesh, *, shard_params: bool 
     The batch goes along ``data``; the new state keeps the input state's shardings; metrics
     come back replicated.
     """
-    shardings = state_shardings(state, mesh, shard_params=shard_params)
-    batch = batch_sharding(mesh)
-    replicated = NamedSharding(mesh, P())
+    layout = Layout.of(state, mesh, shard_params=shard_params)
     train = jax.jit(
         program.train_step,
-        in_shardings=(shardings, batch),
-        out_shardings=(shardings, replicated),
+        in_shardings=(layout.state, layout.batch()),
+        out_shardings=(layout.state, layout.replicated),
         donate_argnums=0,
     )
-    evaluate = jax.jit(program.eval_step, in_shardings=(shardings, batch), out_shardings=replicated)
+    evaluate = jax.jit(
+        program.eval_step,
+        in_shardings=(layout.state, layout.batch()),
+        out_shardings=layout.replicated,
+    )
     return train, evaluate

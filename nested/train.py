@@ -3,27 +3,42 @@
 One linear loop over outer steps, read top to bottom:
 
 1. **Build**: validate the config and build the task, nested system and program
-   (:func:`nested.config.build`; a bad config raises before anything is compiled).
-2. **State**: initialise it, or resume from the latest readable checkpoint of
-   ``<workdir>/checkpoints`` (state and data position; see :mod:`nested.checkpoint`).
+   (:func:`nested.config.build`; a bad config raises before anything is compiled), and the
+   device mesh of ``train.mesh`` (:func:`make_layout`).
+2. **State**: initialise it on the mesh, or resume from the latest readable checkpoint of
+   ``<workdir>/checkpoints`` (state, data position and unfinished log window; see
+   :mod:`nested.checkpoint`), whatever mesh it was saved from.
 3. **Loop**: each call of one jitted function runs ``train.steps_per_call`` outer steps, a
    ``lax.scan`` of ``Program.train_step`` over stacked batches. Between calls, on the host:
    the non-finite check, a log record every ``log_every`` steps (means over the window), an
    evaluation of every held-out split every ``eval_every`` steps, a checkpoint every
-   ``checkpoint_every`` steps.
+   ``checkpoint_every`` steps. SIGTERM (a preemption) ends the loop after the current call
+   with a checkpoint of the step reached, and raises :class:`Stopped`.
 4. **End**: a final evaluation and checkpoint, ``curves.png``, the printed summary.
 
 Training batch ``i`` is ``task.batch(i, batch_size)``, a pure function of ``i``, so the data
 position is the next ``i`` and a resumed run sees the batches an uninterrupted one would:
-on CPU it reproduces the uninterrupted run's metrics exactly.
+on CPU it reproduces the uninterrupted run's metrics exactly, however often it was killed.
+
+**Devices.** One code path for 1 or N devices: the state is created and kept with the
+shardings of :mod:`nested.sharding` (batches and carried fast states split along ``data``,
+memory heads along ``model`` where they divide, slow parameters replicated or, with
+``train.mesh.shard_params``, split), every jitted function takes and returns those shardings,
+and XLA inserts the collectives. On N devices the losses equal one device's up to float
+summation order (``tests/test_sharding.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import jax
@@ -33,13 +48,24 @@ from absl import logging
 from ml_collections import config_dict
 from tqdm import tqdm
 
-from nested import checkpoint, data, guards, memory_state, metrics
+from nested import checkpoint, data, guards, memory_state, metrics, sharding
 from nested import config as config_lib
 from nested.config import ConfigError, Experiment
 from nested.scheduler import Program, State
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint of the step it reached."""
+
+    def __init__(self, step: int, directory: Path):
+        super().__init__(
+            f"stopped by SIGTERM at step {step}: its checkpoint is in {directory}; run the "
+            f"same command to resume"
+        )
+        self.step = step
 
 
 # -- pieces (each usable alone) ---------------------------------------------------------------
@@ -54,22 +80,82 @@ def as_arrays(batch, *, extra_masks: bool = False) -> dict[str, np.ndarray]:
     return out
 
 
+def check_arrays(arrays: Mapping[str, np.ndarray], vocab: int, where: str) -> None:
+    """Refuse a batch the model would misread silently: token ids outside ``[0, vocab)`` (the
+    embedding gather clamps them) or arrays of different shapes. ``where`` names the batch."""
+    shape = arrays["inputs"].shape
+    for key, x in arrays.items():
+        if x.shape != shape:
+            raise ConfigError(f"{where}: {key} has shape {x.shape}, inputs {shape}; must match")
+    for key in ("inputs", "targets"):
+        x = arrays[key]
+        if not np.issubdtype(x.dtype, np.integer):
+            raise ConfigError(f"{where}: {key} must hold integer token ids, got dtype {x.dtype}")
+        if x.size and (x.min() < 0 or x.max() >= vocab):
+            raise ConfigError(
+                f"{where}: {key} holds token ids in [{x.min()}, {x.max()}], outside "
+                f"[0, task.vocab_size={vocab}); raise task.vocab_size or fix the task's data"
+            )
+
+
 def stacked_batches(task, start: int, count: int, batch_size: int) -> dict[str, np.ndarray]:
-    """Training batches ``start .. start + count - 1`` stacked on a leading axis."""
+    """Training batches ``start .. start + count - 1`` stacked on a leading axis (each
+    checked with :func:`check_arrays`)."""
     batches = [as_arrays(task.batch(i, batch_size)) for i in range(start, start + count)]
+    for i, arrays in enumerate(batches):
+        check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 
 
-def make_train_fn(program: Program):
-    """``(state, batches) -> (state, metrics)``: ``len(batches)`` outer steps in one call."""
-    return jax.jit(lambda state, batches: jax.lax.scan(program.train_step, state, batches))
+def make_layout(exp: Experiment, *, devices=None) -> sharding.Layout:
+    """The mesh of ``train.mesh`` over ``devices`` (default: all) and the shardings of the
+    run's state; raises :class:`ConfigError` naming the key when the mesh does not fit the
+    devices or the batch sizes."""
+    cfg = exp.config.train
+    mesh_cfg = {**config_lib.MESH_DEFAULTS, **dict(cfg.get("mesh", {}))}
+    devices = list(jax.devices() if devices is None else devices)
+    data, model = mesh_cfg["data"], mesh_cfg["model"]
+    n = len(devices)
+    if n % model or (data and data * model != n):
+        sizes = [f"data={n // m} x model={m}" for m in range(1, n + 1) if n % m == 0]
+        raise ConfigError(
+            f"train.mesh.data={data} x train.mesh.model={model} does not fit the {n} "
+            f"{devices[0].platform} device(s); allowed: {sizes} (data=0: every device not on "
+            f"model)"
+        )
+    mesh = sharding.make_mesh(data or None, model, devices=devices)
+    for key in ("batch_size", "eval_batch_size"):
+        try:
+            sharding.check_batch(cfg[key], mesh, name=f"train.{key}")
+        except ValueError as error:
+            raise ConfigError(f"{error} (train.mesh.data={data})") from error
+    abstract = jax.eval_shape(_init_fn(exp), jax.random.key(0))
+    return sharding.Layout.of(abstract, mesh, shard_params=mesh_cfg["shard_params"])
 
 
-def make_eval_fn(program: Program):
+def make_train_fn(program: Program, layout: sharding.Layout | None = None):
+    """``(state, batches) -> (state, metrics)``: ``len(batches)`` outer steps in one call.
+
+    With ``layout``: the state keeps its shardings, the batches (stacked on a leading axis)
+    are split along the mesh's data axis, the metrics come back replicated. The state is not
+    donated: an asynchronous checkpoint may still be reading the previous one.
+    """
+    run = lambda state, batches: jax.lax.scan(program.train_step, state, batches)
+    if layout is None:
+        return jax.jit(run)
+    return jax.jit(
+        run,
+        in_shardings=(layout.state, layout.batch(stacked=True)),
+        out_shardings=(layout.state, layout.replicated),
+    )
+
+
+def make_eval_fn(program: Program, layout: sharding.Layout | None = None):
     """``(state, batch) -> (metrics, fast)``: the outer objective on a held-out batch, and the
     fast state the batch leaves (None unless a level carries its state across sequences).
     Extra masks in ``batch`` (``in_context``) add ``in_context_accuracy`` and
-    ``memory_accuracy`` (queries answerable only from memory)."""
+    ``memory_accuracy`` (queries answerable only from memory). ``layout``: as in
+    :func:`make_train_fn`."""
 
     def run(state: State, batch):
         main = {k: batch[k] for k in ("inputs", "targets", "mask")}
@@ -89,7 +175,13 @@ def make_eval_fn(program: Program):
         out["count"] = jnp.sum(main["mask"])
         return out, (None if state.fast is None else new_fast)
 
-    return jax.jit(run)
+    if layout is None:
+        return jax.jit(run)
+    return jax.jit(
+        run,
+        in_shardings=(layout.state, layout.batch()),
+        out_shardings=(layout.replicated, layout.state.fast),
+    )
 
 
 def evaluate(
@@ -115,6 +207,7 @@ def evaluate(
         parts = []
         for i in range(batches):
             batch = as_arrays(task.batch(i, batch_size, split=split), extra_masks=True)
+            check_arrays(batch, task.vocab_size, f"task {task.name}: {split} batch {i}")
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
             parts.append(jax.device_get(out))
             if carry:
@@ -137,12 +230,20 @@ def _aggregate(parts: list[Mapping[str, float]], task) -> dict[str, float]:
     return out
 
 
-def init_state(exp: Experiment) -> State:
-    """A fresh state: the model from ``config.seed``; carried fast states when needed."""
+def _init_fn(exp: Experiment):
     batch_size = exp.config.train.batch_size if exp.carries_fast else None
+    return functools.partial(exp.program.init, batch_size=batch_size)
+
+
+def init_state(exp: Experiment, layout: sharding.Layout | None = None) -> State:
+    """A fresh state: the model from ``config.seed``; carried fast states when needed;
+    created directly with the shardings of ``layout`` when given."""
     # One compiled init instead of one eager dispatch (and compile) per initialiser.
-    init = jax.jit(exp.program.init, static_argnames="batch_size")
-    return init(jax.random.key(exp.config.seed), batch_size=batch_size)
+    if layout is None:
+        init = jax.jit(_init_fn(exp))
+    else:
+        init = jax.jit(_init_fn(exp), out_shardings=layout.state)
+    return init(jax.random.key(exp.config.seed))
 
 
 def _flat(tree: Mapping, prefix: str = "") -> dict[str, object]:
@@ -155,17 +256,28 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` in one rename: a kill leaves the old file or the new one."""
+    fresh = path.with_name(path.name + ".tmp")
+    fresh.write_text(text)
+    os.replace(fresh, path)
+
+
 def _record_config(config: config_dict.ConfigDict, workdir: Path) -> None:
     """Write ``config.json``; when resuming, warn about keys that differ from the saved one."""
     path = workdir / CONFIG_FILE
     current = json.loads(config.to_json_best_effort())
     if path.exists():
-        before = _flat(json.loads(path.read_text()))
+        try:
+            before = _flat(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            logging.warning("%s is unreadable (%s); replacing it", path, error)
+            before = _flat(current)
         now = _flat(current)
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if changed:
             logging.warning("config differs from the one saved in %s: %s", path, changed)
-    path.write_text(json.dumps(current, indent=2) + "\n")
+    write_atomic(path, json.dumps(current, indent=2) + "\n")
 
 
 def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
@@ -173,7 +285,31 @@ def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
     path = Path(workdir) / CONFIG_FILE
     if not path.exists():
         raise ConfigError(f"--workdir {workdir} has no {CONFIG_FILE}; pass --config")
-    return config_dict.ConfigDict(json.loads(path.read_text()))
+    try:
+        return config_dict.ConfigDict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not a readable config ({error}); pass --config") from error
+
+
+@contextlib.contextmanager
+def _sigterm_requests() -> Iterator[threading.Event]:
+    """An event that SIGTERM sets (the loop then checkpoints and stops); a second SIGTERM
+    ends the process at once. Outside the main thread no handler can be installed: nothing
+    is, and the event stays unset."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum, frame):  # no I/O here: the main thread may be inside a write
+        requested.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -182,75 +318,97 @@ def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> dict:
     """Train the system of ``config`` in ``workdir`` (resuming if it holds checkpoints),
     evaluate it, plot the curves and return the summary (see :func:`nested.metrics.summary`).
+
+    Raises :class:`Stopped` after saving a checkpoint when the process receives SIGTERM.
     """
     # 1. Build: everything is validated before anything is compiled.
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
+    layout = make_layout(exp)
     workdir = Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"workdir {workdir} is a file; pass a folder (new or of this run)")
     workdir.mkdir(parents=True, exist_ok=True)
     _record_config(config, workdir)
     logging.info("task: %s", task.describe())
     logging.info("system: %s", exp.system)
+    logging.info("mesh: %s", sharding.describe(layout.mesh))
 
     # 2. State: fresh, or the latest readable checkpoint.
-    state = init_state(exp)
+    state = init_state(exp, layout)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("model: %d slow parameters", n_params)
     ckpt = checkpoint.Checkpointer(
         workdir / CHECKPOINTS, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
     )
     writer = bar = None
-    try:
-        restored = ckpt.restore_latest(state)
-        step, position = 0, 0
-        if restored is not None:
-            state, step, position = restored.state, restored.step, restored.data_position
-            logging.info("resumed from the checkpoint of step %d in %s", step, ckpt.directory)
-        writer = metrics.MetricWriter(workdir, resume_step=step if restored else None)
+    # SIGTERM stops the loop after its current call, until the last save is on disk.
+    with _sigterm_requests() as stop:
+        try:
+            restored = ckpt.restore_latest(state)
+            step, position, window = 0, 0, []
+            if restored is not None:
+                state, step, position = restored.state, restored.step, restored.data_position
+                window = list(restored.extra.get("window", []))
+                logging.info("resumed from the checkpoint of step %d in %s", step, ckpt.directory)
+                if step > cfg.steps:
+                    raise ConfigError(
+                        f"train.steps={cfg.steps} is below the step {step} of the checkpoint in "
+                        f"{ckpt.directory}; set train.steps >= {step} or use a new workdir"
+                    )
+            writer = metrics.MetricWriter(workdir, resume_step=step if restored else None)
 
-        # 3. Loop: one jitted call per `steps_per_call` outer steps.
-        train_fn, eval_fn = make_train_fn(program), make_eval_fn(program)
-        window, window_start, tokens = [], time.perf_counter(), 0
-        bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=None, file=sys.stderr)
-        first = min(cfg.steps_per_call, cfg.steps - step)
-        batches = stacked_batches(task, position, first, cfg.batch_size) if first > 0 else None
-        start_time = time.perf_counter()
-        while step < cfg.steps:  # one iteration per jitted call
-            count, n_tokens = len(batches["inputs"]), batches["inputs"].size
-            state, out = train_fn(state, batches)
-            position += count
-            following = min(cfg.steps_per_call, cfg.steps - step - count)
-            if following > 0:  # build the next batches while the device works
-                batches = stacked_batches(task, position, following, cfg.batch_size)
-            out = jax.device_get(out)
-            for i in range(count):
-                window.append(_checked({k: float(v[i]) for k, v in out.items()}, step + i + 1))
-            step, tokens = step + count, tokens + n_tokens
-            rate = tokens / max(time.perf_counter() - window_start, 1e-9)
-            bar.update(count)
-            bar.set_postfix(loss=f"{out['loss'][-1]:.4f}", tokens_per_s=f"{rate:.0f}")
+            # 3. Loop: one jitted call per `steps_per_call` outer steps.
+            train_fn, eval_fn = make_train_fn(program, layout), make_eval_fn(program, layout)
+            window_start, tokens = time.perf_counter(), 0
+            bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=None, file=sys.stderr)
+            first = min(cfg.steps_per_call, cfg.steps - step)
+            batches = stacked_batches(task, position, first, cfg.batch_size) if first > 0 else None
+            start_time = time.perf_counter()
+            while step < cfg.steps:  # one iteration per jitted call
+                count, n_tokens = len(batches["inputs"]), batches["inputs"].size
+                state, out = train_fn(state, batches)
+                position += count
+                following = min(cfg.steps_per_call, cfg.steps - step - count)
+                if following > 0:  # build the next batches while the device works
+                    batches = stacked_batches(task, position, following, cfg.batch_size)
+                out = jax.device_get(out)
+                for i in range(count):
+                    values = {k: float(v[i]) for k, v in out.items()}
+                    window.append(_checked(values, step + i + 1))
+                step, tokens = step + count, tokens + n_tokens
+                rate = tokens / max(time.perf_counter() - window_start, 1e-9)
+                bar.update(count)
+                bar.set_postfix(loss=f"{out['loss'][-1]:.4f}", tokens_per_s=f"{rate:.0f}")
 
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                seconds = time.perf_counter() - window_start
-                values = _window_means(window)
-                values["learning_rate"] = float(exp.schedule(step - 1))
-                values["tokens_per_s"] = tokens / seconds
-                record = writer.write(step, metrics.TRAIN, values)
-                shown = ("loss", "accuracy", "grad_norm", "tokens_per_s")
-                logging.info("step %d/%d: %s", step, cfg.steps, _fmt(record, shown))
-                window, window_start, tokens = [], time.perf_counter(), 0
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                _evaluate_and_log(eval_fn, state, task, cfg, writer, step)
-            ckpt.save(step, state, data_position=position, force=step == cfg.steps)
-        if restored is not None and restored.step == cfg.steps:
-            logging.info("the run in %s is complete (step %d)", workdir, step)
-        train_seconds = time.perf_counter() - start_time
-    finally:
-        if bar is not None:
-            bar.close()
-        ckpt.close()
-        if writer is not None:
-            writer.close()
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    seconds = time.perf_counter() - window_start
+                    values = _window_means(window)
+                    values["learning_rate"] = float(exp.schedule(step - 1))
+                    values["tokens_per_s"] = tokens / seconds
+                    record = writer.write(step, metrics.TRAIN, values)
+                    shown = ("loss", "accuracy", "grad_norm", "tokens_per_s")
+                    logging.info("step %d/%d: %s", step, cfg.steps, _fmt(record, shown))
+                    window, window_start, tokens = [], time.perf_counter(), 0
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    _evaluate_and_log(eval_fn, state, task, cfg, writer, step)
+                # The unfinished log window goes with the state, so a run resumed from any
+                # step logs the windows an uninterrupted one does.
+                saved = {"data_position": position, "extra": {"window": window}}
+                ckpt.save(step, state, force=step == cfg.steps or stop.is_set(), **saved)
+                if stop.is_set() and step < cfg.steps:
+                    ckpt.wait()
+                    logging.warning("SIGTERM: saved the checkpoint of step %d; stopping", step)
+                    raise Stopped(step, ckpt.directory)
+            if restored is not None and restored.step == cfg.steps:
+                logging.info("the run in %s is complete (step %d)", workdir, step)
+            train_seconds = time.perf_counter() - start_time
+        finally:
+            if bar is not None:
+                bar.close()
+            ckpt.close()
+            if writer is not None:
+                writer.close()
 
     # 4. End: plot and summary.
     records = metrics.read(workdir)
@@ -262,13 +420,22 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     return result
 
 
+_OUTER = ("loss", "grads")  # the outer level's health flags; the others name fast levels
+
+
 def _checked(values: dict[str, float], step: int) -> dict[str, float]:
     """One step's metrics, after the health flags of :mod:`nested.guards` are checked: a
     non-finite step stops the run, unless the program skips such steps (``skipped = 1``)."""
     message = guards.failure(values, step)
     if message is not None and not values.get("skipped"):
+        levels = [
+            f"levels.{k[len(guards.PREFIX) :]}"
+            for k, ok in values.items()
+            if k.startswith(guards.PREFIX) and not ok and k[len(guards.PREFIX) :] not in _OUTER
+        ]
+        rates = " or the learning rates of " + ", ".join(levels) if levels else ""
         raise guards.NonFiniteError(
-            f"{message}; the run stopped (lower optimizer.learning_rate, set "
+            f"{message}; the run stopped (lower optimizer.learning_rate{rates}, set "
             f"optimizer.grad_clip, or skip such steps with train.skip_nonfinite=True)"
         )
     return {k: v for k, v in values.items() if not k.startswith(metrics.CHECKS_PREFIX)}
@@ -333,7 +500,8 @@ def evaluate_workdir(
             f"a memory session needs a level with persist='stream'; levels {names} restart at "
             f"every sequence (set --config.levels.<name>.persist=stream and retrain)"
         )
-    state = init_state(exp)
+    layout = make_layout(exp)
+    state = init_state(exp, layout)
     every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
     with checkpoint.Checkpointer(directory, every=every, keep=keep) as ckpt:
         restored = ckpt.restore_latest(state)
@@ -343,7 +511,7 @@ def evaluate_workdir(
     if load_memory is not None:
         state = state.replace(fast=memory_state.load(load_memory, like=state.fast))
     results, fast = evaluate(
-        make_eval_fn(exp.program),
+        make_eval_fn(exp.program, layout),
         state,
         exp.task,
         batches=cfg.eval_batches,
@@ -354,6 +522,6 @@ def evaluate_workdir(
         memory_state.save(save_memory, fast)
     records = [{"step": restored.step, "split": s, **v} for s, v in results.items()]
     result = metrics.summary(records)
-    (workdir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_atomic(workdir / "eval.json", json.dumps(result, indent=2) + "\n")
     print(metrics.format_summary(result))
     return result

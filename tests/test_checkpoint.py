@@ -22,11 +22,14 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def continual():
     """A tiny continual experiment (its memory level carries its state across sequences),
-    with a fresh state and a state one training step in (every part of it non-trivial)."""
+    with a fresh state and a state one training step in (every part of it non-trivial), made
+    on the device layout the training loop and ``evaluate_workdir`` use (so their compiled
+    programs are shared through the compilation cache)."""
     exp = nc.build(tiny_configs.config("continual"))
-    fresh = train.init_state(exp)
+    layout = train.make_layout(exp)
+    fresh = train.init_state(exp, layout)
     batches = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
-    state, _ = train.make_train_fn(exp.program)(fresh, batches)
+    state, _ = train.make_train_fn(exp.program, layout)(fresh, batches)
     return exp, fresh, state
 
 
@@ -108,7 +111,7 @@ def test_checkpoint_of_another_model_is_an_error_not_damage(tmp_path, continual)
 def _session(exp, state, split):
     """A memory session over the held-out batches of ``split`` (memory carried)."""
     results, fast = train.evaluate(
-        train.make_eval_fn(exp.program),
+        train.make_eval_fn(exp.program, train.make_layout(exp)),
         state,
         exp.task,
         batches=2,
@@ -162,7 +165,7 @@ def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     first = train.evaluate_workdir(exp.config, workdir, save_memory=one)
     second = train.evaluate_workdir(exp.config, workdir, load_memory=one, save_memory=two)
 
-    eval_fn = train.make_eval_fn(exp.program)
+    eval_fn = train.make_eval_fn(exp.program, train.make_layout(exp))
     expected_first, fast = train.evaluate(
         eval_fn, state, exp.task, batches=2, batch_size=4, carry=True
     )
@@ -180,3 +183,57 @@ def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     with pytest.raises(nc.ConfigError, match="a memory session needs a level with persist='str"):
         config = tiny_configs.config("continual", levels__memory__persist="sequence")
         train.evaluate_workdir(config, workdir, save_memory=one)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_arrays_that_read_back_different_from_the_saved_ones_are_damage(
+    tmp_path, continual, caplog
+):
+    """Files that read without error but hold other values (here: step 1's arrays under
+    step 2) fail the fingerprint check: step 2 is set aside and step 1 restored."""
+    _, fresh, state = continual
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=3) as ckpt:
+        ckpt.save(1, state, data_position=1)
+        ckpt.save(2, state.replace(step=state.step + 1), data_position=2)
+    shutil.rmtree(tmp_path / "2" / "state")
+    shutil.copytree(tmp_path / "1" / "state", tmp_path / "2" / "state")
+    with (
+        caplog.at_level(logging.WARNING),
+        checkpoint.Checkpointer(tmp_path, every=1, keep=3) as ckpt,
+    ):
+        restored = ckpt.restore_latest(fresh)
+    assert restored.step == 1
+    assert_trees_equal(restored.state, state)
+    reports = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(reports) == 1
+    assert reports[0].startswith(
+        "checkpoint step 2 is damaged (its arrays differ from the saved ones: .step () int32)"
+    )
+
+
+def test_fingerprint_sees_every_bit_and_position():
+    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    base = checkpoint.fingerprint({"x": x})
+    flipped = x.at[1, 2].set(jnp.nextafter(x[1, 2], jnp.float32(10)))  # one ulp
+    assert checkpoint.fingerprint({"x": flipped}) != base
+    assert checkpoint.fingerprint({"x": x[::-1]}) != base  # same values, other places
+    assert checkpoint.fingerprint({"x": x}) == base
+    key = {"k": jax.random.key(0), "b": jnp.array([True, False]), "d": jnp.ones(3)}
+    assert len(checkpoint.fingerprint(key)) == 3  # keys, bools and float64 are covered
+
+
+def test_checkpoint_of_other_dtypes_is_another_model(tmp_path, continual):
+    _, fresh, state = continual
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        ckpt.save(1, state, data_position=1)
+    half = fresh.replace(params=jax.tree.map(lambda x: x.astype(jnp.float16), fresh.params))
+    with (
+        checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt,
+        pytest.raises(checkpoint.CheckpointError) as info,
+    ):
+        ckpt.restore_latest(half)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint step 1 in {tmp_path} is of another model (saved ")
+    saved, expected = message.split(", expected ")
+    assert saved.endswith(' float32"') and expected.startswith('"') and ' float16"' in expected
+    assert message.endswith("; use a new workdir or the config it was trained with")

@@ -3,12 +3,18 @@
 import re
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 import tiny_configs
+from flax import nnx
 from ml_collections import config_dict
+from test_hope import hope_program
 
 from nested import config as nc
-from nested import data, recipes
+from nested import data, memories, objectives, recipes
+from nested.cms import ContinuumMemory
+from nested.hope import SelfModifyingLayer
 
 CONFIGS = ["mqar", "char_lm", "niah", "continual"]
 
@@ -58,6 +64,48 @@ def test_memory_widths_follow_the_model_unless_set():
     assert (memory.d_k, memory.d_v) == (5, 7)
 
 
+def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
+    exp = nc.build(nc.load(f"{tiny_configs.path('char_lm')}:hope"))
+    system, dim, heads = exp.system, exp.config.model.dim, exp.config.model.heads
+    cms = ("cms1", "cms2", "cms3")
+    assert system.owners == {"memory": "projections", "projections": "model"} | {
+        name: "model" for name in cms
+    }
+    assert isinstance(system["memory"].memory, memories.MLP)  # Titans, two layers
+    assert system["memory"].memory.d_k == dim // heads
+    projections = system["projections"]
+    assert (projections.memory.d_k, projections.memory.d_v, projections.every) == (dim, dim, 16)
+    assert projections.gates["lr"].scale == pytest.approx(1 / (dim * 16))  # stable steps
+    for name, every in zip(cms, (16, 64, 128), strict=True):
+        level = system[name]
+        assert level.objective is objectives.window and not level.gates
+        assert (level.every, level.memory.d_k, level.memory.hidden) == (every, dim, 4 * dim)
+    block = nnx.eval_shape(lambda: system.outer.memory(nnx.Rngs(0))).blocks[0]
+    assert isinstance(block.mixer, SelfModifyingLayer) and isinstance(block.cms, ContinuumMemory)
+    assert [level.name for level in block.cms.levels] == list(cms)
+
+
+def test_a_hope_config_builds_the_system_a_hand_written_declaration_does():
+    config = nc.load(f"{tiny_configs.path('char_lm')}:hope")
+    tiny_configs.override(
+        config, {"task.seq_len": 16, "model.dim": 8, "model.heads": 2, "model.layers": 1}
+    )
+    config.levels.memory = nc.level_config("delta", owner="projections")
+    config.levels.projections.every = 4
+    config.levels.projections.lr_scale = 1.0  # projection_level's own step-size range
+    for name, every in (("cms1", 4), ("cms2", 8), ("cms3", 16)):
+        tiny_configs.override(config.levels[name], {"every": every, "hidden": 16, "lr": 0.1})
+    built, by_hand = nc.build(config).program, hope_program(vocab=256)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    losses = []
+    for program in (built, by_hand):
+        params = jax.jit(program.init)(jax.random.key(0)).params
+        losses.append(jax.jit(program.loss)(params, batch)[0])
+    assert np.isfinite(losses[0])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-12)
+
+
 def test_task_and_optimizer_sections_reach_the_experiment():
     config = tiny_configs.config("mqar", optimizer__learning_rate=0.5, optimizer__warmup_steps=0)
     exp = nc.build(config)
@@ -90,7 +138,8 @@ def _error(config) -> str:
 
 def test_unknown_rule_names_the_key_and_the_registered_rules():
     message = _error(tiny_configs.config("mqar", levels__memory__rule="detla"))
-    assert message == f"levels.memory.rule='detla' is unknown; allowed: {sorted(recipes.RULES)}"
+    allowed = sorted([*recipes.RULES, *nc.LEVELS])
+    assert message == f"levels.memory.rule='detla' is unknown; allowed: {allowed}"
 
 
 def test_unknown_model_and_task_names():
@@ -145,6 +194,21 @@ def test_bad_level_field_value_is_reported_with_the_level_key():
 def test_model_slot_must_name_a_declared_level():
     message = _error(tiny_configs.config("mqar", model__level="mem"))
     assert message == "model.level='mem' is not a declared level; allowed: ['memory']"
+
+
+def test_owner_must_be_the_model_or_another_declared_level():
+    config = nc.load(f"{tiny_configs.path('char_lm')}:hope")
+    config.levels.memory.owner = "projection"
+    assert _error(config) == (
+        "levels.memory.owner='projection' is unknown; allowed: "
+        "['model', 'cms1', 'cms2', 'cms3', 'projections']"
+    )
+
+
+def test_window_level_needs_its_period():
+    config = nc.load(f"{tiny_configs.path('char_lm')}:hope")
+    config.levels.cms2.every = None
+    assert _error(config) == "levels.cms2.every=None must be an int >= 1"
 
 
 def test_train_periods_must_align_with_steps_per_call():

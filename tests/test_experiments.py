@@ -10,6 +10,7 @@ import time
 import pytest
 import tiny_configs
 
+from nested import config as nc
 from nested import metrics, recipes, train
 
 ROOT = tiny_configs.ROOT
@@ -108,12 +109,13 @@ BAD_INPUTS = {
     ),
     "unknown rule": (
         ["--config.levels.memory.rule=detla"],
-        f"error: levels.memory.rule='detla' is unknown; allowed: {sorted(recipes.RULES)}",
+        "error: levels.memory.rule='detla' is unknown; allowed: "
+        f"{sorted({*recipes.RULES, *nc.LEVELS})}",
     ),
     "unknown variant": (
         [f"--config={tiny_configs.path('mqar')}:detla"],
-        f"error: --config {tiny_configs.path('mqar')}:detla: levels.*.rule='detla' is unknown; "
-        f"allowed: {sorted(recipes.RULES)}",
+        f"error: --config {tiny_configs.path('mqar')}:detla: variant 'detla' is unknown; "
+        f"allowed variants: {sorted({*recipes.RULES, 'hope'})}",
     ),
     "period not dividing the chunking": (
         ["--config.levels.memory.every=16", "--config.levels.memory.chunk=24"],

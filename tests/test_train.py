@@ -1,12 +1,20 @@
-"""The training loop: outputs of a run, exact resumption, the non-finite stop, scanned calls."""
+"""The training loop: outputs of a run, exact resumption (after an exception or SIGTERM), the
+non-finite stop and skip (patched metrics and real divergence), scanned calls."""
 
 import json
+import os
+import signal
+from pathlib import Path
 
+import jax
 import numpy as np
+import optax
 import pytest
 import tiny_configs
 
-from nested import guards, metrics, train
+import nested as nl
+from nested import checkpoint, cli, guards, metrics, recipes, train
+from nested import config as nc
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,8 +89,8 @@ def _poison_step_3(monkeypatch):
     """Make the program report a non-finite loss at step 3 (as nested.guards flags it)."""
     make = train.make_train_fn
 
-    def poisoned(program):
-        run = make(program)
+    def poisoned(program, layout=None):
+        run = make(program, layout)
 
         def call(state, batches):
             state, out = run(state, batches)
@@ -128,3 +136,101 @@ def test_several_steps_per_call_give_the_same_run(finished, tmp_path):
         for key in a:
             if key not in ("step", "split"):
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+def test_sigterm_saves_the_step_reached_and_the_run_resumes_exactly(
+    finished, tmp_path, monkeypatch
+):
+    """A real SIGTERM to this process after step 3: the loop saves step 3 (with the
+    unfinished log window: step 3 of the window 3-4) and raises; the same call again ends
+    with the uninterrupted run's metrics."""
+    make = train.make_train_fn
+
+    def signalling(program, layout=None):
+        run = make(program, layout)
+
+        def call(state, batches):
+            state, out = run(state, batches)
+            if int(state.step) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return state, out
+
+        return call
+
+    monkeypatch.setattr(train, "make_train_fn", signalling)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(train.Stopped) as info:
+        train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    assert str(info.value) == (
+        f"stopped by SIGTERM at step 3: its checkpoint is in {checkpoints}; run the same "
+        f"command to resume"
+    )
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the loop's only
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["3"]
+    monkeypatch.undo()
+    train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
+    assert comparable(metrics.read(tmp_path)) == comparable(metrics.read(finished[0]))
+
+
+def test_stopped_and_non_finite_runs_end_the_command_with_one_line(capsys):
+    with pytest.raises(SystemExit) as info, cli.user_errors():
+        raise train.Stopped(5, Path("/runs/x/checkpoints"))
+    assert info.value.code == 143
+    assert capsys.readouterr().err == (
+        "stopped by SIGTERM at step 5: its checkpoint is in /runs/x/checkpoints; run the same "
+        "command to resume\n"
+    )
+    with pytest.raises(SystemExit) as info, cli.user_errors():
+        raise guards.NonFiniteError("step 2: non-finite values in the outer loss; the run stopped")
+    assert info.value.code == "error: step 2: non-finite values in the outer loss; the run stopped"
+
+
+def exploding(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> nl.Level:
+    """A linear memory whose SGD step of 1e38 overflows float32 at its first write."""
+    return nl.Level(
+        name,
+        memory=nl.memories.Linear(d_k, d_v),
+        objective=nl.objectives.l2,
+        update=optax.sgd(1e38),
+        **level_kwargs,
+    )
+
+
+def exploding_config(monkeypatch, **overrides):
+    monkeypatch.setitem(recipes.RULES, "exploding", exploding)
+    config = tiny_configs.config("mqar", **overrides)
+    config.levels.memory = nc.level_config("exploding")
+    return config
+
+
+def test_a_diverging_fast_level_stops_the_run_naming_step_level_and_quantity(tmp_path, monkeypatch):
+    """End to end, no patched metrics: the fast weights of level 'memory' overflow."""
+    with pytest.raises(guards.NonFiniteError) as info:
+        train.train_and_evaluate(exploding_config(monkeypatch), tmp_path)
+    assert str(info.value) == (
+        "step 1: non-finite values in the outer gradients, the outer loss, the fast state of "
+        "level 'memory'; the run stopped (lower optimizer.learning_rate or the learning rates "
+        "of levels.memory, set optimizer.grad_clip, or skip such steps with "
+        "train.skip_nonfinite=True)"
+    )
+    assert metrics.read(tmp_path) == [] and not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_skip_nonfinite_end_to_end_counts_every_skipped_step(tmp_path, monkeypatch):
+    """Every step diverges: each is skipped and counted, and the parameters stay the
+    initial ones."""
+    overrides = {"train__skip_nonfinite": True, "train__steps": 4, "train__eval_every": 4}
+    config = exploding_config(monkeypatch, **overrides)
+    train.train_and_evaluate(config, tmp_path)
+    logged = [r for r in metrics.read(tmp_path) if r["split"] == "train"]
+    assert [(r["step"], r["skipped"]) for r in logged] == [(2, 2.0), (4, 2.0)]
+    assert all("loss" not in r for r in logged)  # no step's loss enters a mean
+    exp = nc.build(config)
+    fresh = train.init_state(exp, train.make_layout(exp))  # the loop's (compiled) init
+    with checkpoint.Checkpointer(tmp_path / "checkpoints", every=4, keep=3) as ckpt:
+        restored = ckpt.restore_latest(fresh)
+    assert restored.step == 4 and int(restored.state.step) == 4
+    leaves = zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(fresh.params), strict=True)
+    for a, b in leaves:
+        np.testing.assert_array_equal(a, b)

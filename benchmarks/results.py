@@ -1,0 +1,422 @@
+"""python benchmarks/results.py --out RESULTS.md
+
+The results table: every row is one training run of a shipped config, launched exactly as a
+user launches it (``python experiments/train.py --config ... --workdir ...``, a subprocess),
+its wall time measured around the subprocess and its final held-out metrics read from the
+workdir's ``metrics.jsonl``. Rows:
+
+* MQAR test accuracy per test setting and their mean, for every rule of
+  ``nested.recipes.RULES`` at two model widths (``--widths``), and the Hope variant;
+* bits per character on held-out files for the character-LM configs;
+* needle-in-a-haystack accuracy by context length;
+* the continual stream: accuracy from the context and from memory, and forgetting.
+
+A row that fails shows its error; nothing is dropped. A finished row is not rerun unless
+``--rerun`` (its workdir keeps ``row.json``: command, wall time, exit status), so an
+interrupted table resumes. ``--only REGEX`` runs the rows whose id matches (``mqar/.*_d64``);
+the table always holds every row that has a result. Overrides a row needs to fit a CPU budget
+are part of its command and listed next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+from absl import app, flags
+
+from nested import metrics, recipes
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_FILE = "row.json"
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "RESULTS.md", "Markdown file written (relative to the repository).")
+flags.DEFINE_string("workdir", "runs/results", "Root of the rows' workdirs.")
+flags.DEFINE_string("only", None, "Run only the rows whose id matches this regex.")
+flags.DEFINE_list("widths", ["64", "128"], "MQAR model widths (model.dim).")
+flags.DEFINE_boolean("rerun", False, "Rerun rows that already have a result.")
+flags.DEFINE_boolean("dry_run", False, "Print the commands, run nothing.")
+flags.DEFINE_integer("timeout", 3600, "Seconds before a row is stopped (and reported failed).")
+
+
+class Row(NamedTuple):
+    """One run: ``id`` (also its workdir under ``--workdir``), the config spec, the overrides
+    (``key -> value``, passed as ``--config.key=value``), and why they are there."""
+
+    id: str
+    config: str
+    overrides: tuple[tuple[str, object], ...] = ()
+    note: str = ""
+
+
+# Rows whose defaults do not fit a few minutes of two shared CPU cores, and why.
+MQAR_OVERRIDES: dict[str, tuple[tuple[tuple[str, object], ...], str]] = {
+    # Muon orthogonalises the momentum at every token (Newton-Schulz, O(d^3) per token): the
+    # default two-layer memory takes ~10 s a step at width 64 here; a linear memory (on the
+    # polynomial features) in chunks of 8, on half batches, fits.
+    "atlas": (
+        (
+            ("levels.memory.depth", 1),
+            ("levels.memory.every", 8),
+            ("train.batch_size", 16),
+            ("train.steps", 400),
+        ),
+        "linear memory, chunks of 8, batch 16, 400 steps",
+    ),
+    # The per-token scan of the deep memory: ~0.8 s a step at width 64; chunks of 4 (8x
+    # fewer sequential steps; longer chunks diverge on text, see the char-LM notes).
+    "titans": ((("levels.memory.every", 4),), "chunks of 4"),
+}
+CHAR_LM_STEPS = 200  # the configs train 3000 steps: hours here for the neural memories
+# Hope's two-layer model takes ~35 s a step here (the CMS windows differentiate the whole model
+# per window, 8 windows a sequence), so Hope runs one layer, next to DeltaNet in the same
+# setting (first for 30 steps, warmup 10, to be sure of a row). Titans in chunks of 16 shows
+# the divergence the config notes.
+ONE_LAYER = (("model.layers", 1),)
+SHORT = (*ONE_LAYER, ("train.steps", 30), ("optimizer.warmup_steps", 10))
+CHAR_LM_ROWS = (
+    ("delta", "delta", (), ""),
+    ("ttt_linear", "ttt_linear", (), ""),
+    ("ttt_mlp", "ttt_mlp", (), ""),
+    ("titans", "titans", (), ""),
+    ("delta_1layer", "delta", SHORT, "1 layer, 30 steps"),
+    ("hope_1layer", "hope", SHORT, "1 layer, 30 steps"),
+    ("delta_1layer_200", "delta", ONE_LAYER, "1 layer"),
+    ("hope_1layer_200", "hope", ONE_LAYER, "1 layer"),
+    (
+        "titans_every16",
+        "titans",
+        (("levels.memory.every", 16),),
+        "Titans in chunks of 16 (its gates are per-token sizes)",
+    ),
+)
+
+
+def rows(widths: Sequence[int]) -> list[Row]:
+    out = []
+    for rule in sorted(recipes.RULES):
+        overrides, note = MQAR_OVERRIDES.get(rule, ((), ""))
+        for dim in widths:
+            out.append(
+                Row(
+                    f"mqar/{rule}_d{dim}",
+                    f"configs/mqar.py:{rule}",
+                    (("model.dim", dim), *overrides),
+                    note,
+                )
+            )
+    for dim in widths:
+        out.append(Row(f"mqar/hope_d{dim}", "configs/mqar.py:hope", (("model.dim", dim),)))
+    for row_id, variant, overrides, note in CHAR_LM_ROWS:
+        if "train.steps" not in dict(overrides):
+            overrides = (("train.steps", CHAR_LM_STEPS), *overrides)
+        out.append(Row(f"char_lm/{row_id}", f"configs/char_lm.py:{variant}", overrides, note))
+    out.append(Row("niah/delta", "configs/niah.py:delta"))
+    out.append(Row("continual/delta", "configs/continual.py:delta"))
+    return out
+
+
+def command(row: Row, workdir: Path) -> list[str]:
+    flags_ = [f"--config.{k}={v}" for k, v in row.overrides]
+    return [
+        "python",
+        "experiments/train.py",
+        f"--config={row.config}",
+        f"--workdir={workdir}",
+        *flags_,
+    ]
+
+
+def run_row(row: Row, workdir: Path, timeout: int) -> dict:
+    """Train ``row`` in a fresh ``workdir`` (relative to the repository, as in the command);
+    writes ``row.json``: command, wall time, exit status."""
+    argv = command(row, workdir)
+    workdir = ROOT / workdir
+    if workdir.exists():  # a fresh run: the table's numbers come from one uninterrupted run
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    start = time.perf_counter()
+    with open(workdir / "stdout.txt", "w") as out, open(workdir / "stderr.txt", "w") as err:
+        try:
+            status = subprocess.run(
+                [sys.executable, *argv[1:]], cwd=ROOT, stdout=out, stderr=err, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    wall = time.perf_counter() - start
+    error = None
+    if status != 0:
+        lines = (workdir / "stderr.txt").read_text().strip().splitlines()
+        errors = [line for line in lines if line.startswith("error:")]
+        error = (errors or lines or [f"exit status {status}"])[-1][:300]
+        if status == "timeout":
+            error = f"stopped after {timeout} s"
+    record = {"command": " ".join(argv), "wall_s": wall, "status": status, "error": error}
+    (workdir / ROW_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+# -- the tables ---------------------------------------------------------------------------------
+
+
+def _load(workdir: Path) -> tuple[dict | None, list[dict]]:
+    path = workdir / ROW_FILE
+    if not path.exists():
+        return None, []
+    return json.loads(path.read_text()), metrics.read(workdir)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}"
+
+
+def _cmd(record: dict) -> str:
+    return f"`{record['command']}`"
+
+
+def _outcome(record: dict, final: dict) -> str | None:
+    """None if the row has results to show, else the cell text explaining why not."""
+    if record["status"] == 0 and final:
+        return None
+    return f"**failed**: {record['error'] or 'no evaluation'}"
+
+
+def _wall(record: dict) -> str:
+    return f"{record['wall_s']:.0f} s"
+
+
+def mqar_table(results: dict[str, tuple[dict, list]]) -> list[str]:
+    entries = {k: v for k, v in results.items() if k.startswith("mqar/")}
+    splits = []
+    for _, records in entries.values():
+        for split in metrics.final_eval(records):
+            if split not in splits:
+                splits.append(split)
+    head = ["rule", "dim", *splits, "mean", "steps", "wall", "command"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row_id, (record, records) in entries.items():
+        rule, dim = row_id.removeprefix("mqar/").rsplit("_d", 1)
+        final = metrics.final_eval(records)
+        failed = _outcome(record, final)
+        cells = [_pct(final[s]["accuracy"]) if s in final else "—" for s in splits]
+        mean = metrics.summary(records).get("mean_accuracy") if final else None
+        steps = max((r["step"] for r in final.values()), default=0)
+        if failed:
+            cells = [failed] + [""] * (len(splits) - 1)
+        lines.append(
+            "| "
+            + " | ".join([rule, dim, *cells, _pct(mean), str(steps), _wall(record), _cmd(record)])
+            + " |"
+        )
+    return lines
+
+
+def char_lm_table(results, row_notes: dict[str, str]) -> list[str]:
+    head = ["variant", "val bpc", "steps", "note", "wall", "command"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row_id, (record, records) in results.items():
+        if not row_id.startswith("char_lm/"):
+            continue
+        final = metrics.final_eval(records)
+        failed = _outcome(record, final)
+        bpc = failed or f"{final['val']['bpc']:.3f}"
+        steps = max((r["step"] for r in final.values()), default=0)
+        note = row_notes.get(row_id, "")
+        lines.append(
+            f"| {row_id.removeprefix('char_lm/')} | {bpc} | {steps} | {note} | {_wall(record)} | "
+            f"{_cmd(record)} |"
+        )
+    return lines
+
+
+def niah_table(results) -> list[str]:
+    lines = []
+    for row_id, (record, records) in results.items():
+        if not row_id.startswith("niah/"):
+            continue
+        final = metrics.final_eval(records)
+        splits = list(final)
+        if not lines:
+            head = ["rule", *(f"accuracy {s}" for s in splits), "steps", "wall", "command"]
+            lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        failed = _outcome(record, final)
+        cells = [failed] if failed else [_pct(final[s]["accuracy"]) for s in splits]
+        steps = max((r["step"] for r in final.values()), default=0)
+        rule = row_id.removeprefix("niah/")
+        lines.append(
+            "| " + " | ".join([rule, *cells, str(steps), _wall(record), _cmd(record)]) + " |"
+        )
+    return lines
+
+
+def forgetting(records: list[dict], switch_every: int) -> tuple[dict[str, float], float | None]:
+    """Per task k (but the last trained): its from-memory accuracy at the end of its phase
+    (step ``(k + 1) * switch_every``) minus the final one; and their mean."""
+    final = metrics.final_eval(records)
+    last = max(r["step"] for r in final.values())
+    drops = {}
+    for split, record in final.items():
+        end = (int(split.removeprefix("task")) + 1) * switch_every
+        at_end = [r for r in records if r["split"] == split and r["step"] == end]
+        if end < last and at_end and "memory_accuracy" in record:
+            drops[split] = at_end[0]["memory_accuracy"] - record["memory_accuracy"]
+    mean = sum(drops.values()) / len(drops) if drops else None
+    return drops, mean
+
+
+def continual_table(results, workdir: Path) -> list[str]:
+    head = [
+        "rule",
+        "task",
+        "accuracy",
+        "in-context",
+        "from memory",
+        "from memory at the end of its phase",
+        "forgetting",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    commands = []
+    for row_id, (record, records) in results.items():
+        if not row_id.startswith("continual/"):
+            continue
+        rule = row_id.removeprefix("continual/")
+        final = metrics.final_eval(records)
+        failed = _outcome(record, final)
+        commands.append(f"* {rule} ({_wall(record)}): {_cmd(record)}")
+        if failed:
+            lines.append(f"| {rule} | {failed} |" + " |" * (len(head) - 2))
+            continue
+        config = json.loads((workdir / row_id / "config.json").read_text())
+        switch = config["task"]["switch_every"]
+        drops, mean = forgetting(records, switch)
+        for split, r in final.items():
+            end = (int(split.removeprefix("task")) + 1) * switch
+            at_end = [x for x in records if x["split"] == split and x["step"] == end]
+            lines.append(
+                f"| {rule} | {split} (steps {end - switch}-{end}) | {_pct(r['accuracy'])} | "
+                f"{_pct(r.get('in_context_accuracy'))} | {_pct(r.get('memory_accuracy'))} | "
+                f"{_pct(at_end[0].get('memory_accuracy') if at_end else None)} | "
+                f"{_pct(drops.get(split))} |"
+            )
+        lines.append(f"| {rule} | mean forgetting | | | | | {_pct(mean)} |")
+    return lines + [""] + commands
+
+
+def markdown(results, workdir: Path, row_notes: dict[str, str], observations: str = "") -> str:
+    """The results page; ``observations`` (a hand-written ``## Observations`` section, kept
+    from the previous page) goes after the introduction."""
+    cpu = os.cpu_count()
+    notes = sorted(
+        {
+            f"`{k.split('/')[1].rsplit('_d', 1)[0]}`: {v}"
+            for k, v in row_notes.items()
+            if v and k.startswith("mqar/")
+        }
+    )
+    out = [
+        "# Results",
+        "",
+        "Produced by `python benchmarks/results.py --out RESULTS.md` (each row's command is next "
+        "to it; `python` is the repository's virtual environment; `--only REGEX` reruns some "
+        "rows, `--widths 64` the MQAR rows at one width). Machine: "
+        f"{platform.machine()} CPU, {cpu} cores shared with other jobs, jax {jax.__version__}, "
+        f"table written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        "wall time is the whole command: compilation, training and evaluation. Accuracies are "
+        "percentages on held-out batches after the last training step. A row absent from a "
+        "table was not run.",
+        "",
+        *([observations.strip(), ""] if observations.strip() else []),
+        "## MQAR (multi-query associative recall)",
+        "",
+        "`configs/mqar.py`: one-layer model, vocabulary 256, trained on sequences of 64 tokens "
+        "with 4, 8 and 16 key-value pairs; tested on those and on 128 tokens with 32 pairs "
+        "(twice the trained length and pairs). Test accuracy on query positions.",
+        "",
+        *mqar_table(results),
+        "",
+    ]
+    if notes:
+        out += ["Overrides to fit the CPU budget: " + "; ".join(notes) + ".", ""]
+    out += [
+        "## Character-level language modelling",
+        "",
+        "`configs/char_lm.py`: bytes of the Python standard library's sources, sequences of 128, "
+        "two layers of width 128; bits per character on held-out files. "
+        f"Trained {CHAR_LM_STEPS} steps (batch 16: about {CHAR_LM_STEPS * 16 * 128 // 1000}k "
+        "bytes) instead of the configs' 3000, to fit the CPU budget.",
+        "",
+        *char_lm_table(results, row_notes),
+        "",
+        "## Needle in a haystack",
+        "",
+        "`configs/niah.py`: trained on contexts of 256 tokens, tested on 256, 512 and 1024.",
+        "",
+        *niah_table(results),
+        "",
+        "## Continual key-value stream",
+        "",
+        "`configs/continual.py`: four tasks in turn, each for `switch_every` steps; the memory "
+        "keeps its fast state across sequences. Per task, at the end of training: accuracy on "
+        "all queries, on queries whose key is in the sequence (in-context) and on the others "
+        "(from memory: only what persisted can answer). Forgetting: from-memory accuracy at "
+        "the end of the task's own phase minus at the end of training.",
+        "",
+        *continual_table(results, workdir),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main(argv):
+    del argv
+    workdir = Path(FLAGS.workdir)
+    table = rows([int(w) for w in FLAGS.widths])
+    chosen = [r for r in table if FLAGS.only is None or re.search(FLAGS.only, r.id)]
+    for i, row in enumerate(chosen, 1):
+        directory = workdir / row.id
+        if FLAGS.dry_run:
+            print(" ".join(command(row, directory)))
+            continue
+        done = (ROOT / directory / ROW_FILE).exists()
+        if done and not FLAGS.rerun:
+            print(f"[{i}/{len(chosen)}] {row.id}: kept (--rerun to run again)", flush=True)
+            continue
+        print(f"[{i}/{len(chosen)}] {row.id}: {' '.join(command(row, directory))}", flush=True)
+        record = run_row(row, directory, FLAGS.timeout)
+        print(f"    {record['wall_s']:.0f} s, exit status {record['status']}", flush=True)
+        if record["error"]:
+            print(f"    {record['error']}", flush=True)
+    if FLAGS.dry_run:
+        return
+    base = ROOT / workdir
+    results = {}
+    for row in table:
+        record, records = _load(base / row.id)
+        if record is not None:
+            results[row.id] = (record, records)
+    out = ROOT / FLAGS.out
+    previous = out.read_text() if out.exists() else ""
+    observations = re.search(r"^## Observations\n.*?(?=^## |\Z)", previous, re.M | re.S)
+    text = markdown(
+        results,
+        base,
+        {r.id: r.note for r in table},
+        observations.group(0) if observations else "",
+    )
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,217 @@
+"""Training processes killed (SIGKILL) at random points, during checkpoint saves too, and
+stopped by SIGTERM, resume to exactly the metrics of an uninterrupted run.
+
+Each run is a real process (a small driver around ``nested.train.train_and_evaluate`` and
+``nested.cli.user_errors``, as ``experiments/train.py`` runs it). To make a kill during a save
+certain rather than lucky, the driver can slow down the last step of every orbax save (the
+atomic rename of the finished temporary folder) by ``delay`` seconds: a save then shows a
+``<step>.orbax-checkpoint-tmp`` folder for that long, and the test kills the process while
+it is there. The driver prints ``RESTORED <step>`` (the checkpoint it resumed from) and
+``STEP <n>`` per training log record, which the test reads to time its signals.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import tiny_configs
+
+from nested import metrics
+
+TMP = ".orbax-checkpoint-tmp"
+COMMITTED = "commit_success.txt"  # orbax writes it into a step folder before the rename
+
+DRIVER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    sys.path.insert(0, sys.argv[1])
+    from orbax.checkpoint._src.path import atomicity
+    import tiny_configs
+    from nested import checkpoint, cli, metrics, train
+
+    workdir, delay, overrides = sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def slow_finalize(self, *args, **kwargs):
+        await asyncio.sleep(delay)
+        return await finalize(self, *args, **kwargs)
+
+    if delay:
+        atomicity.AtomicRenameTemporaryPath.finalize = slow_finalize
+    restore, write = checkpoint.Checkpointer.restore_latest, metrics.MetricWriter.write
+
+    def reported_restore(self, like):
+        restored = restore(self, like)
+        print("RESTORED", None if restored is None else restored.step, flush=True)
+        return restored
+
+    def reported_write(self, step, split, values):
+        record = write(self, step, split, values)
+        if split == metrics.TRAIN:
+            print("STEP", step, flush=True)
+        return record
+
+    checkpoint.Checkpointer.restore_latest = reported_restore
+    metrics.MetricWriter.write = reported_write
+    with cli.user_errors():
+        train.train_and_evaluate(tiny_configs.config("mqar", **overrides), workdir)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    with tiny_configs.compilation_cache(tmp_path_factory) as variables:
+        yield {**os.environ, **variables, "JAX_PLATFORMS": "cpu"}
+
+
+class Run:
+    """One training process; its stdout and stderr go to files (read while it runs)."""
+
+    count = 0
+
+    def __init__(self, workdir, env, *, delay=0.0, **overrides):
+        Run.count += 1
+        self.out = workdir.parent / f"{workdir.name}.{Run.count}.out"
+        self.err = workdir.parent / f"{workdir.name}.{Run.count}.err"
+        args = [str(tiny_configs.ROOT / "tests"), str(workdir), str(delay), json.dumps(overrides)]
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", DRIVER, *args], stdout=out, stderr=err, env=env
+            )
+
+    def lines(self, tag: str) -> list[str]:
+        """The values of the finished ``<tag> <value>`` lines printed so far."""
+        finished = self.out.read_text().split("\n")[:-1]
+        return [line.split()[1] for line in finished if line.startswith(f"{tag} ")]
+
+    def restored(self) -> int | None:
+        (step,) = self.lines("RESTORED")
+        return None if step == "None" else int(step)
+
+    def wait_for(self, condition, timeout=300.0) -> bool:
+        """Poll ``condition`` every few ms; False if the process ended first."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if condition():
+                return True
+            if self.process.poll() is not None:
+                return condition()
+            time.sleep(0.005)
+        raise TimeoutError(self.err.read_text()[-3000:])
+
+    def signal(self, signum) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        return self.process.wait(timeout=300)
+
+    def finish(self) -> int:
+        rc = self.process.wait(timeout=600)
+        assert rc == 0, self.err.read_text()[-3000:]
+        return rc
+
+
+def folders(workdir) -> list[str]:
+    directory = workdir / "checkpoints"
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+def saving(workdir) -> list[str]:
+    return [name for name in folders(workdir) if name.endswith(TMP)]
+
+
+def complete_steps(workdir) -> list[int]:
+    """Steps whose folder holds a finished save. (A kill can leave one other kind of step
+    folder: the oldest checkpoint, half deleted after a newer one was saved.)"""
+    directory = workdir / "checkpoints"
+    names = [n for n in folders(workdir) if n.isdigit() and (directory / n / COMMITTED).exists()]
+    return sorted(int(name) for name in names)
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if k not in metrics.TIMING_KEYS} for r in records]
+
+
+SHORT = {"train__steps": 12}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    Run(workdir, env, **SHORT).finish()
+    return comparable(metrics.read(workdir))
+
+
+def test_killed_mid_save_then_stopped_by_sigterm_resumes_to_the_same_metrics(
+    tmp_path, env, reference
+):
+    workdir = tmp_path / "run"
+    # 1. SIGKILL while the first checkpoint (step 4) is being written
+    run = Run(workdir, env, delay=0.5, **SHORT)
+    assert run.wait_for(lambda: saving(workdir)), "the run ended before its first save"
+    run.signal(signal.SIGKILL)
+    assert saving(workdir) == [f"4{TMP}"] and complete_steps(workdir) == []
+
+    # 2. restart (from scratch: nothing was saved), then SIGTERM once step 6 is logged
+    run = Run(workdir, env, delay=0.5, **SHORT)
+    assert run.wait_for(lambda: "6" in run.lines("STEP"))
+    assert run.signal(signal.SIGTERM) == 128 + signal.SIGTERM
+    assert run.restored() is None
+    message = run.err.read_text().strip().splitlines()[-1]
+    stopped = int(message.split()[5].rstrip(":"))
+    assert message == (
+        f"stopped by SIGTERM at step {stopped}: its checkpoint is in {workdir / 'checkpoints'}; "
+        f"run the same command to resume"
+    )
+    assert 6 <= stopped < 12 and stopped in complete_steps(workdir)
+    assert saving(workdir) == []  # the stop waited for its save
+
+    # 3. the same command again: resumes from the stop, ends as the uninterrupted run
+    run = Run(workdir, env, **SHORT)
+    run.finish()
+    assert run.restored() == stopped
+    assert comparable(metrics.read(workdir)) == reference
+    assert not [name for name in folders(workdir) if not name.isdigit()]  # nothing left over
+
+
+@pytest.mark.slow
+def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env):
+    """Eight SIGKILLs at random points (startup, compilation, restore, training, mid-save),
+    each followed by the same command; then one uninterrupted run to compare with."""
+    settings = {"train__steps": 60, "train__keep_checkpoints": 2}
+    rng = random.Random(0)
+    workdir = tmp_path / "killed"
+    kills = {"mid_save": 0, "random_time": 0, "after_step": 0}
+    newest = None  # the newest finished save when the last process was killed
+    for i in range(8):
+        mode = ["mid_save", "random_time", "after_step"][i % 3]
+        run = Run(workdir, env, delay=0.2, **settings)
+        if mode == "mid_save":  # once restored, every temporary folder is this process's
+            run.wait_for(lambda: run.lines("RESTORED") and saving(workdir))
+        elif mode == "random_time":  # often during startup, compilation or the restore
+            time.sleep(rng.uniform(0.0, 5.0))
+        else:
+            target = str(min((newest or 0) + rng.choice([6, 8, 10, 12]), 60))
+            run.wait_for(lambda target=target: target in run.lines("STEP"))
+        alive = run.process.poll() is None
+        run.signal(signal.SIGKILL)
+        kills[mode] += alive and (mode != "mid_save" or bool(saving(workdir)))
+        restored = run.lines("RESTORED")
+        if restored:  # it got as far as restoring: the newest finished save, never another
+            assert restored == [str(newest)], (restored, newest)
+        steps = complete_steps(workdir)
+        newest = steps[-1] if steps else None
+    assert kills["mid_save"] == 3 and sum(kills.values()) >= 6, kills  # kills that landed
+    run = Run(workdir, env, **settings)
+    run.finish()
+    assert run.restored() == newest
+
+    reference = tmp_path / "reference"
+    Run(reference, env, **settings).finish()
+    assert comparable(metrics.read(workdir)) == comparable(metrics.read(reference))
