@@ -395,8 +395,11 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                 # The unfinished log window goes with the state, so a run resumed from any
                 # step logs the windows an uninterrupted one does.
                 saved = {"data_position": position, "extra": {"window": window}}
-                ckpt.save(step, state, force=step == cfg.steps or stop.is_set(), **saved)
-                if stop.is_set() and step < cfg.steps:
+                # Read the flag once: a SIGTERM landing between the save and the check must
+                # not stop the run with a checkpoint that was never forced.
+                stopping = stop.is_set() and step < cfg.steps
+                ckpt.save(step, state, force=step == cfg.steps or stopping, **saved)
+                if stopping:
                     ckpt.wait()
                     logging.warning("SIGTERM: saved the checkpoint of step %d; stopping", step)
                     raise Stopped(step, ckpt.directory)

@@ -173,6 +173,24 @@ def test_sigterm_saves_the_step_reached_and_the_run_resumes_exactly(
     assert comparable(metrics.read(tmp_path)) == comparable(metrics.read(finished[0]))
 
 
+def test_sigterm_right_after_a_skipped_save_stops_at_a_step_that_is_saved(tmp_path, monkeypatch):
+    """SIGTERM arriving just after the loop decided not to save step 3 (off the period): the
+    run must not stop claiming a checkpoint of step 3; it stops at the next step, saved."""
+    save = checkpoint.Checkpointer.save
+
+    def signal_after(self, step, state, **kwargs):
+        started = save(self, step, state, **kwargs)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return started
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", signal_after)
+    with pytest.raises(train.Stopped) as info:
+        train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
+    assert info.value.step == 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
+
+
 def test_stopped_and_non_finite_runs_end_the_command_with_one_line(capsys):
     with pytest.raises(SystemExit) as info, cli.user_errors():
         raise train.Stopped(5, Path("/runs/x/checkpoints"))
