@@ -180,16 +180,16 @@ def test_killed_mid_save_then_stopped_by_sigterm_resumes_to_the_same_metrics(
     assert not [name for name in folders(workdir) if not name.isdigit()]  # nothing left over
 
 
-@pytest.mark.slow
-def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env):
-    """Eight SIGKILLs at random points (startup, compilation, restore, training, mid-save),
-    each followed by the same command; then one uninterrupted run to compare with."""
+@pytest.mark.parametrize("n_kills", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env, n_kills):
+    """SIGKILLs at random points (startup, compilation, restore, training, mid-save), each
+    followed by the same command; then one uninterrupted run to compare with."""
     settings = {"train__steps": 60, "train__keep_checkpoints": 2}
     rng = random.Random(0)
     workdir = tmp_path / "killed"
     kills = {"mid_save": 0, "random_time": 0, "after_step": 0}
     newest = None  # the newest finished save when the last process was killed
-    for i in range(8):
+    for i in range(n_kills):
         mode = ["mid_save", "random_time", "after_step"][i % 3]
         run = Run(workdir, env, delay=0.2, **settings)
         if mode == "mid_save":  # once restored, every temporary folder is this process's
@@ -207,7 +207,8 @@ def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env):
             assert restored == [str(newest)], (restored, newest)
         steps = complete_steps(workdir)
         newest = steps[-1] if steps else None
-    assert kills["mid_save"] == 3 and sum(kills.values()) >= 6, kills  # kills that landed
+    landed = sum(kills.values())  # kills that hit a live process (mid-save: during a save)
+    assert kills["mid_save"] == len(range(0, n_kills, 3)) and landed >= n_kills - 2, kills
     run = Run(workdir, env, **settings)
     run.finish()
     assert run.restored() == newest
