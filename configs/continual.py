@@ -17,7 +17,7 @@ from nested import config as nc
 
 
 def get_config(arg=None):
-    rule = arg or "delta"
+    rule = nc.variant(arg)
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config(

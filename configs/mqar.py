@@ -26,7 +26,6 @@ Zoology's settings (for an accelerator).
 from ml_collections import config_dict
 
 from nested import config as nc
-from nested import recipes
 
 TRAIN = ((64, 4), (64, 8), (64, 16))
 TEST = (*TRAIN, (128, 32))  # the last one: twice the trained length and pairs
@@ -47,10 +46,7 @@ VARIANTS = {
 
 
 def get_config(arg=None):
-    rule = arg or "delta"
-    if rule not in VARIANTS and rule not in recipes.RULES:
-        allowed = sorted({*recipes.RULES, *VARIANTS})
-        raise nc.ConfigError(f"variant {rule!r} is unknown; allowed variants: {allowed}")
+    rule = nc.variant(arg, others=VARIANTS)
     spec = VARIANTS.get(rule, dict(levels={"memory": dict(rule=rule)}))
     config = config_dict.ConfigDict()
     config.seed = 0

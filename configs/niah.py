@@ -15,7 +15,7 @@ from nested import config as nc
 
 
 def get_config(arg=None):
-    rule = arg or "delta"
+    rule = nc.variant(arg)
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config("niah", vocab_size=512, seq_len=256, eval_lengths=(256, 512, 1024))

@@ -334,6 +334,16 @@ def _lookup(key: str, name: Any, registry: Mapping[str, Any]):
 # -- writing configs --------------------------------------------------------------------------
 
 
+def variant(arg: str | None, *, default: str = "delta", others: Sequence[str] = ()) -> str:
+    """The variant a config file was given (``configs/x.py:<variant>``): ``arg``, or
+    ``default``; a memory rule of :data:`nested.recipes.RULES` or one of ``others``."""
+    name = arg or default
+    allowed = sorted({*recipes.RULES, *others})
+    if name not in allowed:
+        raise ConfigError(f"variant {name!r} is unknown; allowed variants: {allowed}")
+    return name
+
+
 def task_config(name: str, **fields) -> config_dict.ConfigDict:
     """The ``task`` section: ``name`` and every field of the task, ``fields`` overriding."""
     return _section(_task_fields(name), {"name": name, **fields})

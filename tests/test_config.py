@@ -31,6 +31,14 @@ def test_every_config_file_builds_and_its_docstring_is_the_command(name):
     )
 
 
+@pytest.mark.parametrize(("name", "others"), [("mqar", ["hope"]), ("niah", []), ("continual", [])])
+def test_unknown_variant_names_the_registered_rules(name, others):
+    with pytest.raises(nc.ConfigError) as info:
+        nc.load(f"{tiny_configs.path(name)}:detla")
+    allowed = sorted({*recipes.RULES, *others})
+    assert str(info.value) == f"variant 'detla' is unknown; allowed variants: {allowed}"
+
+
 @pytest.mark.parametrize("rule", sorted(recipes.RULES))
 def test_mqar_has_a_variant_per_registered_rule(rule):
     exp = nc.build(nc.load(f"{tiny_configs.path('mqar')}:{rule}"))
