@@ -85,28 +85,38 @@ def test_interrupted_run_resumes_to_the_uninterrupted_metrics_exactly(
     assert comparable(metrics.read(tmp_path)) == comparable(metrics.read(workdir))
 
 
-def _poison_step_3(monkeypatch):
-    """Make the program report a non-finite loss at step 3 (as nested.guards flags it)."""
+def _after_step_3(monkeypatch, action):
+    """Patch the loop's jitted call: ``action(out) -> out`` runs on the outputs of the call
+    that reaches step 3."""
     make = train.make_train_fn
 
-    def poisoned(program, layout=None):
+    def patched(program, layout=None):
         run = make(program, layout)
 
         def call(state, batches):
             state, out = run(state, batches)
-            if int(state.step) == 3:
-                out = {**out, "loss": out["loss"] * np.nan, "finite/loss": out["finite/loss"] < 0}
-                if "skipped" in out:
-                    out["skipped"] = out["skipped"] + 1
-            return state, out
+            return state, action(out) if int(state.step) == 3 else out
 
         return call
 
-    monkeypatch.setattr(train, "make_train_fn", poisoned)
+    monkeypatch.setattr(train, "make_train_fn", patched)
+
+
+def _poison(out):
+    """A non-finite loss, as nested.guards flags it (and counts it in skip mode)."""
+    out = {**out, "loss": out["loss"] * np.nan, "finite/loss": out["finite/loss"] < 0}
+    if "skipped" in out:
+        out["skipped"] = out["skipped"] + 1
+    return out
+
+
+def _sigterm(out):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return out
 
 
 def test_non_finite_loss_stops_the_run_naming_step_and_quantity(tmp_path, monkeypatch):
-    _poison_step_3(monkeypatch)
+    _after_step_3(monkeypatch, _poison)
     with pytest.raises(guards.NonFiniteError) as info:
         train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
     assert str(info.value).startswith("step 3: non-finite values in the outer loss; the run stop")
@@ -116,7 +126,7 @@ def test_non_finite_loss_stops_the_run_naming_step_and_quantity(tmp_path, monkey
 def test_skipped_non_finite_steps_are_counted_and_left_out_of_the_means(
     finished, tmp_path, monkeypatch
 ):
-    _poison_step_3(monkeypatch)
+    _after_step_3(monkeypatch, _poison)
     train.train_and_evaluate(tiny_configs.config("mqar", train__skip_nonfinite=True), tmp_path)
     logged = {r["step"]: r for r in metrics.read(tmp_path) if r["split"] == "train"}
     reference = {r["step"]: r for r in metrics.read(finished[0]) if r["split"] == "train"}
@@ -144,20 +154,7 @@ def test_sigterm_saves_the_step_reached_and_the_run_resumes_exactly(
     """A real SIGTERM to this process after step 3: the loop saves step 3 (with the
     unfinished log window: step 3 of the window 3-4) and raises; the same call again ends
     with the uninterrupted run's metrics."""
-    make = train.make_train_fn
-
-    def signalling(program, layout=None):
-        run = make(program, layout)
-
-        def call(state, batches):
-            state, out = run(state, batches)
-            if int(state.step) == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return state, out
-
-        return call
-
-    monkeypatch.setattr(train, "make_train_fn", signalling)
+    _after_step_3(monkeypatch, _sigterm)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(train.Stopped) as info:
         train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
