@@ -57,20 +57,7 @@ def delta_rule(q, k, v, beta, *, initial_state=None, chunk_size=None, scale=1.0)
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
     """
-    b, t, h, dk, dv = validation.check_qkv(q, k, v)
-    validation.check_shape("beta", beta, (b, t, h), "(B, T, H)")
-    validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size)
-    size = chunk_size or default_chunk_size()
-    return delta_family(
-        q * scale,
-        k,
-        beta[..., None] * v,
-        beta,
-        None,
-        initial_state=initial_state,
-        chunk_size=size,
-    )
+    return _delta(q, k, v, beta, None, None, initial_state, chunk_size, scale)
 
 
 def gated_delta_rule(
@@ -102,23 +89,28 @@ def gated_delta_rule(
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
     """
-    b, t, h, dk, dv = validation.check_qkv(q, k, v)
-    validation.check_shape("beta", beta, (b, t, h), "(B, T, H)")
     if (alpha is None) == (log_alpha is None):
         raise ValueError("Pass exactly one of `alpha` and `log_alpha` to gated_delta_rule.")
-    name = "alpha" if log_alpha is None else "log_alpha"
-    gate = alpha if log_alpha is None else log_alpha
-    validation.check_shape(name, gate, (b, t, h), "(B, T, H)")
+    if log_alpha is None:
+        return _delta(q, k, v, beta, "alpha", alpha, initial_state, chunk_size, scale)
+    return _delta(q, k, v, beta, "log_alpha", log_alpha, initial_state, chunk_size, scale)
+
+
+def _delta(q, k, v, beta, gate_name, gate, initial_state, chunk_size, scale):
+    """Validate, then run the (gated) delta rule through :func:`delta_family`; ``gate``
+    (B, T, H) is the retention ``alpha`` or its log (named by ``gate_name``), or None."""
+    b, t, h, dk, dv = validation.check_qkv(q, k, v)
+    validation.check_shape("beta", beta, (b, t, h), "(B, T, H)")
+    if gate is not None:
+        validation.check_shape(gate_name, gate, (b, t, h), "(B, T, H)")
     validation.check_state(initial_state, b, h, dv, dk)
     validation.check_chunk_size(chunk_size)
-    size = chunk_size or default_chunk_size()
     return delta_family(
         q * scale,
         k,
         beta[..., None] * v,
         beta,
-        jnp.log(alpha) if log_alpha is None else log_alpha,
-        erase_after_decay=True,
+        jnp.log(gate) if gate_name == "alpha" else gate,
         initial_state=initial_state,
-        chunk_size=size,
+        chunk_size=chunk_size or default_chunk_size(),
     )
