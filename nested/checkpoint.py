@@ -34,6 +34,7 @@ unfinished log window).
 from __future__ import annotations
 
 import gc
+import json
 import logging as pylogging
 import os
 import shutil
@@ -190,7 +191,8 @@ class Checkpointer:
             "data_position": int(data_position),
             "signature": signature(state),
             "fingerprint": fingerprint(state),
-            "extra": extra or {},
+            # The write is async: snapshot `extra` now, as the caller goes on mutating it.
+            "extra": json.loads(json.dumps(extra or {})),
         }
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_storable(state)), meta=ocp.args.JsonSave(meta)

@@ -53,6 +53,17 @@ def test_restore_gives_back_the_whole_state_and_data_position(tmp_path, continua
     assert state.fast is not None and int(restored.state.step) == 1
 
 
+def test_extra_is_saved_as_it_was_when_save_was_called(tmp_path, continual):
+    """The write is async; the training loop keeps appending to its log window after save()."""
+    _, fresh, state = continual
+    window = [{"loss": 1.0}]
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        ckpt.save(1, state, data_position=1, extra={"window": window})
+        window.append({"loss": 2.0})
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
+        assert ckpt.restore_latest(fresh).extra == {"window": [{"loss": 1.0}]}
+
+
 def test_saves_every_n_steps_and_keeps_the_latest_k(tmp_path, continual):
     _, _, state = continual
     with checkpoint.Checkpointer(tmp_path, every=2, keep=2) as ckpt:
