@@ -62,9 +62,8 @@ def get_config(arg=None):
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config("char_lm", seq_len=SEQ_LEN)
-    layer = nc.RULE_LAYER.get(spec["levels"]["memory"]["rule"], {})
     config.model = nc.model_config(
-        "memory_lm", level="memory", dim=128, heads=4, layers=2, **layer, **spec.get("model", {})
+        "memory_lm", level="memory", dim=128, heads=4, layers=2, **spec.get("model", {})
     )
     config.levels = config_dict.ConfigDict(
         {name: nc.level_config(**fields) for name, fields in spec["levels"].items()}

@@ -1,10 +1,13 @@
 """python experiments/train.py --config configs/continual.py --workdir runs/continual
 
 A continual key-value stream (``nested.data.ContinualTask``): the key -> value mapping
-shifts from task to task every ``switch_every`` batches, and the memory level keeps its
-fast state across sequences (``persist="stream"``), so it can answer keys not presented in
-the sequence from what it stored before. Eval splits ``task<k>`` report accuracy on every
-task over time (forgetting), split into ``in_context_accuracy`` and ``memory_accuracy``.
+shifts from task to task every ``switch_every`` batches, and each batch row has its own
+mappings, so slow weights (shared by all rows) cannot memorise them: the model must read the
+pairs presented in the sequence, or recall the row's mapping from its fast state. The memory
+level keeps that state across sequences (``persist="stream"``; row r of one batch continues
+row r of the next), so it can answer keys not presented in the sequence from what it stored
+before. Eval splits ``task<k>`` report accuracy on every task over time (forgetting), split
+into ``in_context_accuracy`` and ``memory_accuracy``.
 ``python experiments/eval.py --workdir runs/continual --save_memory runs/continual/memory``
 then continues the memory in a later session (``--load_memory``).
 
@@ -36,7 +39,6 @@ def get_config(arg=None):
         heads=2,
         layers=1,
         mlp_ratio=0,
-        **nc.RULE_LAYER.get(rule, {}),
     )
     config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule, persist="stream")})
     config.optimizer = nc.optimizer_config(

@@ -58,7 +58,6 @@ def get_config(arg=None):
         heads=2,
         layers=1,
         mlp_ratio=0,
-        **nc.RULE_LAYER.get(spec["levels"]["memory"]["rule"], {}),
         **spec.get("model", {}),
     )
     config.levels = config_dict.ConfigDict(

@@ -26,7 +26,6 @@ def get_config(arg=None):
         heads=2,
         layers=2,
         mlp_ratio=0,
-        **nc.RULE_LAYER.get(rule, {}),
     )
     config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule)})
     config.optimizer = nc.optimizer_config(

@@ -83,9 +83,9 @@ LEVEL_FIELDS = types.MappingProxyType(
     {"every": int, "persist": str, "read": str, "truncate": int, "chunk": int}
 )
 
-
-# Model keys a rule needs in its layer (Falcon reads the key aligned one step back).
-RULE_LAYER = types.MappingProxyType(recipes.LAYER_OPTIONS)
+# Model keys a rule sets in the layer that owns it (recipes.LAYER_OPTIONS: Falcon's key
+# shift). They default to None in the model section, meaning "as the slot's rule needs".
+RULE_KEYS = frozenset(key for options in recipes.LAYER_OPTIONS.values() for key in options)
 
 
 class ConfigError(ValueError):
@@ -309,8 +309,19 @@ def _model_fields(name: str) -> dict[str, tuple[Any, type | None]]:
     fields = {"name": (name, str)}
     for fn, skip in _model_signatures(entry):
         for key, field in _configurable(fn, skip=tuple(skip)).items():
-            fields.setdefault(key, field)
+            fields.setdefault(key, field if key not in RULE_KEYS else (None, field[1]))
     return fields
+
+
+def _rule_options(config, slots: Mapping[str, Any]) -> dict[str, Any]:
+    """The layer options (:data:`nested.recipes.LAYER_OPTIONS`) the rules of the levels in
+    the model's single-level slots ask for: ``levels.memory.rule=falcon`` gives
+    ``key_shift=True`` unless ``model.key_shift`` is set."""
+    options = {}
+    for names in slots.values():
+        if isinstance(names, str):
+            options.update(recipes.LAYER_OPTIONS.get(config.levels[names].rule, {}))
+    return options
 
 
 def _model_slots(entry: ModelEntry) -> dict[str, bool]:
@@ -609,6 +620,9 @@ def build(config: config_dict.ConfigDict) -> Experiment:
         for k, v in model.items()
         if k != "name" and k not in slots and (k in own or v != fields[k][0])
     }
+    for key, value in _rule_options(config, slots).items():
+        if model.get(key) is None:
+            hyper[key] = value
     for slot, names in slots.items():
         if isinstance(names, str):
             hyper[slot] = levels[names]

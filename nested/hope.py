@@ -13,19 +13,23 @@ how its memory learns. Three levels are involved:
   start, mini-batch semantics), with a learned per-token step size;
 * the outer level, owning the projections' initial values, the gates and the output map.
 
-Per chunk of ``C`` tokens: project with the chunk-start ``P``, run the memory over the chunk,
-then update ``P``. Gates of the memory come from slow projections of ``x``. The whole thing is
-differentiated exactly by the outer level (no stop-gradient through the writes).
+Per chunk of ``C`` tokens: project with the chunk-start ``P`` (then a short causal
+convolution over time, as in Titans, carried across chunks: a one-layer model needs it to pair
+a key with the next token's value), run the memory over the chunk, then update ``P``. Gates
+of the memory come from slow projections of ``x``. The whole thing is differentiated exactly
+by the outer level (no stop-gradient through the writes).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested import inner, memories, objectives, rules
-from nested.layers import initial_memories, l2_normalize, per_sequence
+from nested import inner, recipes, rules
+from nested.layers import ShortConv, initial_memories, l2_normalize, per_sequence
 from nested.level import Level
 
 
@@ -45,6 +49,7 @@ class SelfModifyingLayer(nnx.Module):
         dim: int,
         heads: int,
         rngs: nnx.Rngs,
+        conv: int = 4,
         output_gate: bool = True,
     ):
         d_k, d_v = level.memory.d_k, level.memory.d_v
@@ -82,6 +87,7 @@ class SelfModifyingLayer(nnx.Module):
                 for name, gate in projections.gates.items()
             }
         )
+        self.conv = ShortConv(3 * dim, conv, rngs=rngs) if conv > 1 else None
         init = jax.random.normal(rngs.params(), (3, dim, dim), jnp.float32) / jnp.sqrt(dim)
         self.initial_projections = nnx.Param(init)
         self.initial_params = initial_memories(level.memory, rngs.params(), heads)
@@ -92,8 +98,9 @@ class SelfModifyingLayer(nnx.Module):
     def initial_state(self, batch_size: int) -> dict:
         memory = per_sequence(self.initial_params.get_value(), batch_size)
         projections = {"W": per_sequence(self.initial_projections[...], batch_size)}
+        cache = None if self.conv is None else {"conv": self.conv.initial_cache(batch_size)}
         return {
-            "memory": inner.initial_state(self.level, memory),
+            "memory": inner.initial_state(self.level, memory, cache),
             "projections": inner.initial_state(self.projections, projections),
         }
 
@@ -101,7 +108,12 @@ class SelfModifyingLayer(nnx.Module):
         """One projection period: ``x (B, C, dim)`` with the chunk-start projections."""
         B, C, dim = x.shape
         P = state["projections"].params["W"]  # (B, 3, dim, dim)
-        k, v, q = jnp.moveaxis(jnp.einsum("bpoi,bti->bpto", P, x), 1, 0)
+        kvq = jnp.einsum("bpoi,bti->btpo", P, x)
+        memory = state["memory"]
+        if self.conv is not None:
+            kvq, conv = self.conv(kvq.reshape(B, C, 3 * dim), memory.cache["conv"])
+            memory = memory.replace(cache={"conv": conv})
+        k, v, q = jnp.moveaxis(kvq.reshape(B, C, 3, dim), 2, 0)
         heads = lambda a: a.reshape(B, C, self.heads, -1)
         gates = {
             name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
@@ -109,7 +121,7 @@ class SelfModifyingLayer(nnx.Module):
         ctx = inner.Context(
             k=l2_normalize(heads(k)), v=heads(v), q=l2_normalize(heads(q)), gates=gates
         )
-        o, memory = inner.run(self.level, state["memory"], ctx)
+        o, memory = inner.run(self.level, memory, ctx)
         targets = jnp.einsum("bpoi,bti->btpo", P, v)  # each projection applied to the values
         inputs = jnp.broadcast_to(x[:, :, None], (B, C, 3, dim))
         proj_gates = {
@@ -140,11 +152,9 @@ class SelfModifyingLayer(nnx.Module):
 
 def projection_level(dim: int, every: int, *, name: str = "projections") -> Level:
     """The projection memories of a self-modifying layer: linear ``dim -> dim``, one SGD step
-    on ``1/2 |P x - P v|^2`` per chunk of ``every`` tokens with a learned step size."""
-    return Level(
-        name,
-        memory=memories.Linear(dim, dim),
-        objective=objectives.l2,
-        update=rules.gradient_descent("lr", gate_kinds={"lr": rules.Gate("unit", init=0.01)}),
-        every=every,
-    )
+    on ``1/2 |P x - P v|^2`` per chunk of ``every`` tokens with a learned step size ``beta``
+    in (0, 1) (the delta rule in mini-batches, so the chunkwise form of
+    :func:`nested.ops.ttt_linear` runs it)."""
+    level = recipes.delta(name, d_k=dim, d_v=dim, every=every)
+    update = rules.gradient_descent("beta", gate_kinds={"lr": rules.Gate("unit", init=0.01)})
+    return dataclasses.replace(level, update=update)

@@ -58,6 +58,22 @@ def test_a_newly_registered_rule_is_usable_by_name(monkeypatch):
     assert nc.build(config).system["memory"].every == 1
 
 
+def _mixer(config):
+    model = nc.build(config).system.levels[-1].memory(nnx.Rngs(0))  # the outermost level
+    return model.blocks[0].mixer
+
+
+def test_a_rule_override_brings_the_layer_options_the_rule_needs():
+    config = nc.load(tiny_configs.path("mqar"))
+    assert config.model.key_shift is None  # unset: as the slot's rule needs
+    assert _mixer(config).key_shift is False  # delta
+    config.levels.memory.rule = "falcon"  # what --config.levels.memory.rule=falcon does
+    assert _mixer(config).key_shift is True
+    config.model.key_shift = False  # set by the user: kept
+    assert _mixer(config).key_shift is False
+    assert _mixer(nc.load(f"{tiny_configs.path('mqar')}:falcon")).key_shift is True
+
+
 def test_every_override_turns_the_online_rule_into_mini_batch_ttt():
     config = tiny_configs.config("mqar", levels__memory__every=4, levels__memory__chunk=8)
     level = nc.build(config).system["memory"]
@@ -83,7 +99,7 @@ def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
     assert system["memory"].memory.d_k == dim // heads
     projections = system["projections"]
     assert (projections.memory.d_k, projections.memory.d_v, projections.every) == (dim, dim, 16)
-    assert projections.gates["lr"].scale == pytest.approx(1 / (dim * 16))  # stable steps
+    assert projections.gates["beta"].scale == pytest.approx(1 / (dim * 16))  # stable steps
     for name, every in zip(cms, (16, 64, 128), strict=True):
         level = system[name]
         assert level.objective is objectives.window and not level.gates

@@ -13,10 +13,11 @@ from nested.models import MemoryLM
 DIM, HEADS, C = 8, 2, 4
 
 
-def make_layer(every=1):
+def make_layer(every=1, conv=4):
     memory = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, every=every)
+    projections = projection_level(DIM, C)
     return SelfModifyingLayer(
-        memory, projections=projection_level(DIM, C), dim=DIM, heads=HEADS, rngs=nnx.Rngs(0)
+        memory, projections=projections, dim=DIM, heads=HEADS, conv=conv, rngs=nnx.Rngs(0)
     )
 
 
@@ -25,13 +26,13 @@ def x_of(T, seed=0):
 
 
 def test_projections_change_once_per_chunk_by_the_self_generated_regression():
-    layer = make_layer()
+    layer = make_layer(conv=0)  # v_t = P_v x_t exactly
     x = x_of(C)
     state = layer.initial_state(2)
     _, after = layer(x, state)
     P = state["projections"].params["W"]  # (B, 3, dim, dim)
     v = jnp.einsum("boi,bti->bto", P[:, 1], x)  # the chunk's values, chunk-start P_v
-    lr = jax.nn.sigmoid(layer.projection_gates["lr"](x))  # (B, C, 3)
+    lr = jax.nn.sigmoid(layer.projection_gates["beta"](x))  # (B, C, 3)
     targets = jnp.einsum("bpoi,bti->btpo", P, v)
     errors = jnp.einsum("bpoi,bti->btpo", P, x) - targets
     expected = P - jnp.einsum("btp,btpo,bti->bpoi", lr, errors, x)
