@@ -30,7 +30,7 @@ def get_config(arg=None):
         num_pairs=8,
         num_queries=8,
         num_tasks=4,
-        switch_every=150,
+        switch_every=300,
     )
     config.model = nc.model_config(
         "memory_lm",
@@ -45,7 +45,7 @@ def get_config(arg=None):
         "adamw", learning_rate=3e-3, weight_decay=0.1, b2=0.98, warmup_steps=50
     )
     config.train = nc.train_config(
-        steps=600,
+        steps=1200,
         batch_size=32,
         log_every=25,
         eval_every=75,

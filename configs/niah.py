@@ -1,8 +1,12 @@
 """python experiments/train.py --config configs/niah.py --workdir runs/niah
 
 Single needle in a haystack (``nested.data.NIAHTask``): a key-value needle hidden in noise,
-asked for at the end; accuracy on the answer tokens per context length (eval splits
-``len256``, ``len512``, ``len1024``: up to 4x the trained length).
+asked for at the end; accuracy on the answer tokens per context length. Trained on 64-token
+haystacks, evaluated at 64, 256 and 1024 tokens (``len64``, ``len256``, ``len1024``: up to 16x
+the trained length). Trained at 256 tokens the task gives two scored tokens per 256 and a
+DeltaNet stays at chance after 2000 steps (the needle is rarely retrieved early on, so
+there is no signal to learn the write gates from); at 64 tokens it finds the retrieval and
+carries it to longer haystacks (1000 steps here: 52% / 50% / 43%).
 
 Variants: ``configs/niah.py:<rule>`` for any rule of ``nested.recipes.RULES`` (default
 ``delta``). Vocabulary 512 instead of 8192 to fit a CPU budget
@@ -18,7 +22,7 @@ def get_config(arg=None):
     rule = nc.variant(arg)
     config = config_dict.ConfigDict()
     config.seed = 0
-    config.task = nc.task_config("niah", vocab_size=512, seq_len=256, eval_lengths=(256, 512, 1024))
+    config.task = nc.task_config("niah", vocab_size=512, seq_len=64, eval_lengths=(64, 256, 1024))
     config.model = nc.model_config(
         "memory_lm",
         level="memory",  # the mixer's fast level: levels.memory
@@ -33,7 +37,7 @@ def get_config(arg=None):
     )
     config.train = nc.train_config(
         steps=2000,
-        batch_size=16,
+        batch_size=32,
         log_every=50,
         eval_every=500,
         eval_batches=4,

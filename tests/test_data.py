@@ -352,46 +352,99 @@ def test_bits_per_char():
 # ----------------------------------------------------------------------------- continual
 
 
-def assert_follows(batch, mapping):
-    """Every scored query q has target f(q), fed right after it."""
-    for r, t in zip(*np.nonzero(batch.mask), strict=True):
+def assert_follows(batch, task, task_id):
+    """Row r's presented pairs are (k, f^r(k)) and every scored query q of row r has target
+    f^r(q), fed right after it, with f^r = task.mapping(task_id, r)."""
+    rows, times = np.nonzero(batch.mask)
+    assert rows.size == batch.inputs.shape[0] * task.num_queries
+    for r, t in zip(rows, times, strict=True):
         key = batch.inputs[r, t]
-        assert batch.targets[r, t] == mapping[key - 1] == batch.inputs[r, t + 1]
+        assert batch.targets[r, t] == task.mapping(task_id, r)[key - 1] == batch.inputs[r, t + 1]
+    pairs = batch.inputs[:, : 2 * task.num_pairs]
+    for r in range(batch.inputs.shape[0]):
+        f = task.mapping(task_id, r)
+        np.testing.assert_array_equal(pairs[r, 1::2], f[pairs[r, 0::2] - 1])
+
+
+def small_continual(**fields):
+    base = dict(vocab_size=64, num_keys=8, num_pairs=4, num_queries=3, num_tasks=3)
+    return ContinualTask(**{**base, "switch_every": 5, **fields})
 
 
 def test_continual_mapping_changes_at_task_boundaries():
-    task = ContinualTask(
-        vocab_size=64, num_keys=8, num_pairs=4, num_queries=3, num_tasks=3, switch_every=5
-    )
-    maps = [task.mapping(j) for j in range(3)]
-    for j in range(1, 3):
-        assert (maps[j] != maps[j - 1]).all()  # remap_fraction = 1: every key moves
-        assert len(set(maps[j])) == 8 and (maps[j] >= 32).all()
+    task = small_continual()
+    for row in range(4):
+        maps = [task.mapping(j, row) for j in range(3)]
+        for j in range(1, 3):
+            assert (maps[j] != maps[j - 1]).all()  # remap_fraction = 1: every key moves
+            assert len(set(maps[j])) == 8 and (maps[j] >= 32).all() and (maps[j] < 64).all()
     assert [task.task_at(i) for i in (0, 4, 5, 9, 10, 15)] == [0, 0, 1, 1, 2, 0]
-    assert_follows(task.batch(4, 16), maps[0])
+    assert_follows(task.batch(4, 16), task, 0)
     boundary = task.batch(5, 16)
     assert (boundary.extras["task_id"] == 1).all()
-    assert_follows(boundary, maps[1])
+    assert_follows(boundary, task, 1)
     with pytest.raises(AssertionError):
-        assert_follows(boundary, maps[0])
-    # presented pairs follow the mapping too
-    x = boundary.inputs[:, : 2 * task.num_pairs]
-    np.testing.assert_array_equal(x[:, 1::2], maps[1][x[:, 0::2] - 1])
+        assert_follows(boundary, task, 0)
 
 
 def test_continual_earlier_task_eval_uses_the_old_mapping():
-    task = ContinualTask(
-        vocab_size=64, num_keys=8, num_pairs=4, num_queries=3, num_tasks=3, switch_every=5
-    )
+    task = small_continual()
     for index in (0, 12, 1000):
         old = task.batch(index, 16, split="task0")
         assert (old.extras["task_id"] == 0).all()
-        assert_follows(old, task.mapping(0))
+        assert_follows(old, task, 0)
 
 
-def test_continual_partial_remap_and_in_context_flags():
+def test_continual_rows_have_their_own_mappings():
+    task = ContinualTask()  # default sizes: 64 keys, values in [4096, 8192)
+    maps = np.stack([task.mapping(0, r) for r in range(32)])
+    # two random one-to-one maps into 4096 values agree on ~64/4096 keys each: almost never
+    for a in range(32):
+        for b in range(a):
+            assert (maps[a] != maps[b]).sum() >= 60
+    # so no single map (what a slow weight could memorise) fits the rows of a batch: key 1
+    # takes (nearly) as many values as there are rows
+    assert len(set(maps[:, 0].tolist())) >= 30
+    batch = task.batch(3, 32)
+    assert_follows(batch, task, 0)
+    shifted = batch._replace(inputs=batch.inputs[::-1], targets=batch.targets[::-1])
+    with pytest.raises(AssertionError):
+        assert_follows(shifted, task, 0)
+
+
+def test_continual_row_mapping_does_not_depend_on_batch_size_or_index():
+    task = small_continual()
+    cold = small_continual()  # nothing cached: mapping() draws row 3's chain on its own
+    expected = [cold.mapping(j, 3) for j in range(3)]
+    for index, size in [(0, 4), (7, 16), (12, 4), (1000, 16)]:
+        batch = task.batch(index, size)
+        j = task.task_at(index)
+        np.testing.assert_array_equal(task.mapping(j, 3), expected[j])
+        f = expected[j]
+        keys = batch.inputs[3, 0::2]
+        np.testing.assert_array_equal(batch.inputs[3, 1::2], f[keys - 1])
+    eval_batch = task.batch(5, 4, split="task2")
+    np.testing.assert_array_equal(
+        eval_batch.inputs[3, 1::2], expected[2][eval_batch.inputs[3, 0::2] - 1]
+    )
+    # another seed gives another chain
+    assert (small_continual(seed=1).mapping(0, 3) != expected[0]).any()
+
+
+@pytest.mark.parametrize(("fraction", "moved"), [(1.0, 40), (0.25, 10), (0.5, 20), (0.001, 1)])
+def test_continual_remap_moves_the_fraction_of_keys_to_unused_values(fraction, moved):
+    task = ContinualTask(vocab_size=256, num_keys=40, num_tasks=3, remap_fraction=fraction)
+    for row in (0, 1, 5):
+        for j in (1, 2):
+            prev, new = task.mapping(j - 1, row), task.mapping(j, row)
+            changed = prev != new
+            assert changed.sum() == moved
+            assert not set(new[changed].tolist()) & set(prev.tolist())  # to unused values
+            assert len(set(new.tolist())) == 40 and (new >= 128).all() and (new < 256).all()
+
+
+def test_continual_in_context_flags():
     task = ContinualTask(vocab_size=256, num_keys=40, num_tasks=2, remap_fraction=0.25)
-    assert (task.mapping(0) != task.mapping(1)).sum() == 10
     batch = task.batch(0, 8)
     p = task.num_pairs
     for r in range(8):
@@ -399,6 +452,16 @@ def test_continual_partial_remap_and_in_context_flags():
         for t in np.flatnonzero(batch.mask[r]):
             assert batch.extras["in_context"][r, t] == (batch.inputs[r, t] in presented)
     assert (batch.extras["in_context"] <= batch.mask).all()
+    # both kinds of query occur: 16 of 40 keys presented, 16 queried
+    assert 0 < batch.extras["in_context"].sum() < batch.mask.sum()
+
+
+@pytest.mark.parametrize(
+    ("task_id", "row", "match"), [(3, 0, "task_id=3"), (-1, 0, "task_id=-1"), (0, -1, "row=-1")]
+)
+def test_continual_mapping_validation(task_id, row, match):
+    with pytest.raises(ValueError, match=match):
+        small_continual().mapping(task_id, row)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,18 @@
-"""Continual key-value stream: the mapping from keys to values shifts from task to task.
+"""Continual key-value stream: per-row key -> value mappings that shift from task to task.
 
 There are ``num_tasks`` tasks over one shared key set, key tokens 1..K (K = ``num_keys``).
-Task j is a one-to-one map f_j from keys to value tokens in [V//2, V): f_0 is random, and
-f_j is f_{j-1} with ``remap_fraction`` of the keys (chosen at random, at least one) moved to
-values f_{j-1} did not use, so every remapped key changes value at the boundary.
+Every batch row r (its 0-based index inside a batch) has its own chain of one-to-one maps
+f_j^r from keys to value tokens in [V//2, V): f_0^r is random, and f_j^r is f_{j-1}^r with
+``remap_fraction`` of the keys (chosen at random, at least one) moved to values f_{j-1}^r did
+not use, so every remapped key changes value at the boundary. Row r's chain depends on
+(seed, r) only, not on the batch size, the batch index or the split.
+
+Why per row. With one global mapping per task, slow weights (trained at every step) simply
+memorise the current task's mapping, ignore the context and the fast memory, and score 0% on
+earlier tasks even on queries whose pair is in the sequence. Slow weights are shared by all
+rows and do not see the row index, so they cannot hold independent per-row mappings: the
+mapping of row r is learnable only from the stream, i.e. from the pairs presented in the
+same sequence and from a fast state carried across the earlier sequences of row r.
 
 What the model sees. Each sequence (length T = 2(P + Q)) is
 
@@ -12,22 +21,23 @@ What the model sees. Each sequence (length T = 2(P + Q)) is
 
 with P distinct presented keys and Q distinct queried keys, each drawn uniformly from the
 K keys independently (so a query may or may not repeat a presented key), all under the
-current task's f. The answer f(q_i) is fed right after q_i (teacher forcing): the stream is
-also the feedback an online learner writes from. Training batch ``index`` comes entirely from
-task ``task_at(index) = (index // switch_every) % num_tasks``: the task switches every
-``switch_every`` batches, cycling after the last one (train ``num_tasks * switch_every`` steps
-for one pass). A loop that carries fast states across sequences carries row r of one batch
-into row r of the next, so every row's memory sees a stream of sequences of the current task.
+current task's mapping of the row, f = f_j^r. The answer f(q_i) is fed right after q_i
+(teacher forcing): the stream is also the feedback an online learner writes from. Training
+batch ``index`` comes entirely from task ``task_at(index) = (index // switch_every) %
+num_tasks``: the task switches every ``switch_every`` batches, cycling after the last one
+(train ``num_tasks * switch_every`` steps for one pass). A loop that carries fast states
+across sequences carries row r of one batch into row r of the next, so every row's memory
+sees a stream of sequences of its own mapping under the current task.
 
 What is measured. Targets and mask are set at the Q query positions only (target
-f_j(q_i)). Extras: ``task_id`` (B,) int32, and ``in_context`` (B, T) float32, 1 at queries
+f_j^r(q_i)). Extras: ``task_id`` (B,) int32, and ``in_context`` (B, T) float32, 1 at queries
 whose key was presented earlier in the same sequence. Accuracy on ``in_context`` queries is
 in-context recall; on the others (mask - in_context) it is recall from memory, possible only
-from what persisted from earlier sequences (fast states kept across sequences, or slow
-weights). Eval split ``task{k}`` gives batches of task k at any time: accuracy on task k
-after training has moved on to later tasks measures forgetting (the memory part is the
-meaningful one; evaluate on a copy of the fast states so evaluation does not write into the
-training state).
+from the fast state carried across the row's earlier sequences (slow weights cannot hold a
+per-row mapping). Eval split ``task{k}`` gives batches of task k at any time, row r under
+f_k^r: accuracy on task k after training has moved on to later tasks measures forgetting
+(the memory part is the meaningful one; evaluate on a copy of the fast states so evaluation
+does not write into the training state).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from nested.data.batch import (
 
 @dataclasses.dataclass(frozen=True)
 class ContinualTask:
-    """A stream of key-value tasks with shifting mappings; see the module docstring.
+    """A stream of key-value tasks with shifting per-row mappings; see the module docstring.
 
     Fields:
       vocab_size: V; key tokens 1..num_keys, value tokens in [V//2, V).
@@ -120,44 +130,72 @@ class ContinualTask:
         """The task of training batch ``index``."""
         return (int(index) // self.switch_every) % self.num_tasks
 
-    def mapping(self, task_id: int) -> np.ndarray:
-        """(num_keys,) int32: the value token of key token 1 + i under task ``task_id``."""
+    def mapping(self, task_id: int, row: int = 0) -> np.ndarray:
+        """(num_keys,) int32: the value token of key token 1 + i in batch row ``row`` under
+        task ``task_id`` (f_{task_id}^{row} of the module docstring)."""
         if not 0 <= task_id < self.num_tasks:
             raise ValueError(f"task_id={task_id} is out of range [0, {self.num_tasks})")
-        return self._mappings[task_id].copy()
+        if not isinstance(row, int | np.integer) or row < 0:
+            raise ValueError(f"row={row!r} must be a non-negative int (a batch row index)")
+        table = self._table_cache.get("table")
+        built = table is not None and row < table.shape[0]
+        return (table[row] if built else self._chain(int(row)))[task_id].astype(np.int32)
 
-    @functools.cached_property
-    def _mappings(self) -> np.ndarray:
+    def _chain(self, row: int) -> np.ndarray:
+        """(num_tasks, num_keys) int64: row ``row``'s maps f_0^row .. f_{num_tasks-1}^row,
+        drawn from the generator of (seed, "mapping", row) alone."""
         half = self.vocab_size // 2
         values = np.arange(half, self.vocab_size)
-        rng = rng_for(self.seed, "mapping", 0)
-        maps = [values[sample_without_replacement(rng, values.size, self.num_keys, rows=1)[0]]]
+        rng = rng_for(self.seed, "mapping", row)
+        maps = np.empty((self.num_tasks, self.num_keys), dtype=np.int64)
+        maps[0] = values[sample_without_replacement(rng, values.size, self.num_keys, rows=1)[0]]
         for j in range(1, self.num_tasks):
-            rng = rng_for(self.seed, "mapping", j)
             moved = sample_without_replacement(rng, self.num_keys, self._num_remapped, rows=1)[0]
-            free = np.setdiff1d(values, maps[-1])
-            new = free[sample_without_replacement(rng, free.size, moved.size, rows=1)[0]]
-            maps.append(maps[-1].copy())
-            maps[-1][moved] = new
-        return np.stack(maps).astype(np.int32)
+            unused = np.ones(values.size, dtype=bool)
+            unused[maps[j - 1] - half] = False
+            free = values[unused]
+            maps[j] = maps[j - 1]
+            maps[j, moved] = free[sample_without_replacement(rng, free.size, moved.size, rows=1)[0]]
+        return maps
+
+    def _table(self, rows: int) -> np.ndarray:
+        """(rows, num_tasks, num_keys) int64: the chains of rows 0..rows-1.
+
+        Built once and grown on demand (batches always use rows 0..B-1), so a batch costs a
+        slice, not B chain draws. Concurrent growth is harmless: chains are deterministic.
+        """
+        table = self._table_cache.get("table")
+        if table is None or table.shape[0] < rows:
+            built = 0 if table is None else table.shape[0]
+            more = np.stack([self._chain(r) for r in range(built, rows)])
+            table = more if table is None else np.concatenate([table, more])
+            self._table_cache["table"] = table
+        return table[:rows]
+
+    @functools.cached_property
+    def _table_cache(self) -> dict[str, np.ndarray]:
+        return {}
 
     def batch(self, index: int, batch_size: int, *, split: str = "train") -> Batch:
-        """Batch ``index`` of ``split`` ("train": task ``task_at(index)``; "task{k}": task k)."""
+        """Batch ``index`` of ``split`` ("train": task ``task_at(index)``; "task{k}": task k);
+        row r follows ``mapping(task, r)``."""
         check_request(self, index, batch_size, split)
         task_id = self.task_at(index) if split == "train" else int(split.removeprefix("task"))
         return self._sequences(rng_for(self.seed, split, int(index)), batch_size, task_id)
 
     def _sequences(self, rng: np.random.Generator, rows: int, task_id: int) -> Batch:
-        p, q, f = self.num_pairs, self.num_queries, self._mappings[task_id]
+        p, q = self.num_pairs, self.num_queries
+        f = self._table(rows)[:, task_id]  # (rows, K): row r's map
         presented = sample_without_replacement(rng, self.num_keys, p, rows=rows)
         queried = sample_without_replacement(rng, self.num_keys, q, rows=rows)
+        answers = np.take_along_axis(f, queried, axis=1)
         inputs = np.zeros((rows, self.seq_len), dtype=np.int64)
         inputs[:, 0 : 2 * p : 2] = 1 + presented
-        inputs[:, 1 : 2 * p : 2] = f[presented]
+        inputs[:, 1 : 2 * p : 2] = np.take_along_axis(f, presented, axis=1)
         inputs[:, 2 * p :: 2] = 1 + queried
-        inputs[:, 2 * p + 1 :: 2] = f[queried]
+        inputs[:, 2 * p + 1 :: 2] = answers
         targets = np.zeros_like(inputs)
-        targets[:, 2 * p :: 2] = f[queried]
+        targets[:, 2 * p :: 2] = answers
         mask = np.zeros(inputs.shape, dtype=np.float32)
         mask[:, 2 * p :: 2] = 1.0
         in_context = np.zeros(inputs.shape, dtype=np.float32)
@@ -176,7 +214,9 @@ class ContinualTask:
         return (
             f"Continual KV stream: {self.num_tasks} tasks over {self.num_keys} keys, switching "
             f"every {self.switch_every} train batches, {self.remap_fraction:.0%} of keys "
-            f"remapped per switch; each sequence = {self.num_pairs} presented pairs k f(k), "
+            f"remapped per switch; each batch row has its own mappings (so only the context "
+            f"and a fast state carried along the row can recall them); each sequence = "
+            f"{self.num_pairs} presented pairs k f(k), "
             f"then {self.num_queries} queries q f(q) scored at q (T={self.seq_len}).\n"
             f"Example (V=32, 6 keys, 3 pairs, 3 queries):\n{example}"
         )
