@@ -51,9 +51,26 @@ class Context(NamedTuple):
 
 
 def initial_state(level: Level, params: Any, cache: Any = None) -> LevelState:
-    """A level's state at the start of a stream from memory ``params`` with leading (B, H)."""
+    """A level's state at the start of a stream from memory ``params`` with leading (B, H).
+
+    A level whose objective reads a window of ``c > 1`` items (ATLAS's Omega rule) also keeps
+    the last ``c - 1`` of them, ``cache["window"]``: ``{"k": (B, H, c - 1, d_k), "v": (B, H,
+    c - 1, d_v), "gate": (B, H, c - 1)}``, empty (zero gates) at the start, so a stream split
+    across calls sees the same windows as one call.
+    """
     opt_state = jax.vmap(jax.vmap(level.rule.transform.init))(params)
+    window = window_size(level)
+    if window > 1:
+        leaf = jax.tree.leaves(params)[0]
+        empty = lambda *dims: jnp.zeros((*leaf.shape[:2], window - 1, *dims), leaf.dtype)
+        buffer = {"k": empty(level.memory.d_k), "v": empty(level.memory.d_v), "gate": empty()}
+        cache = {**(cache or {}), "window": buffer}
     return LevelState(params, opt_state, cache, level.name)
+
+
+def window_size(level: Level) -> int:
+    """Items the level's objective reads per step (1 unless it is windowed, e.g. Omega)."""
+    return getattr(level.objective, "window", 1)
 
 
 def check_context(level: Level, ctx: Context) -> None:
@@ -214,17 +231,20 @@ def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block:
     return o.reshape(n_blocks * block, -1), params, opt_state
 
 
-def windowed(items: dict, window: int, names) -> dict:
-    """For each named item ``(B, T, ...)``, the last ``window`` values at every step,
-    ``(B, T, H, window, ...)`` oldest first, zero before the sequence start."""
-    out = {}
-    for name in names:
+def windowed(items: dict, window: int, names, buffer: dict) -> tuple[dict, dict]:
+    """For each named item ``(B, T, H, ...)``, the last ``window`` values at every step,
+    ``(B, T, H, window, ...)`` oldest first, the first ones from ``buffer`` (the previous
+    call's last ``window - 1`` items, ``(B, H, window - 1, ...)``, keyed ``k``, ``v`` and
+    ``gate`` for the names in that order). Returns them and the buffer for the next call."""
+    out, tail = {}, {}
+    for name, key in zip(names, ("k", "v", "gate"), strict=True):
         x = jnp.moveaxis(items[name], 1, 2)  # (B, H, T, ...)
-        padded = jnp.pad(x, [(0, 0), (0, 0), (window - 1, 0)] + [(0, 0)] * (x.ndim - 3))
         T = x.shape[2]
-        stacked = jnp.stack([padded[:, :, i : i + T] for i in range(window)], axis=3)
+        full = jnp.concatenate([buffer[key].astype(x.dtype), x], axis=2)
+        stacked = jnp.stack([full[:, :, i : i + T] for i in range(window)], axis=3)
         out[name] = jnp.moveaxis(stacked, 2, 1)
-    return out
+        tail[key] = full[:, :, T:].astype(buffer[key].dtype)
+    return out, tail
 
 
 def run_generic(level: Level, state: LevelState, ctx: Context):
@@ -234,9 +254,13 @@ def run_generic(level: Level, state: LevelState, ctx: Context):
     n_blocks = -(-T // block)
     pad = n_blocks * block - T
     items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
-    window = getattr(level.objective, "window", 1)
+    cache = state.cache
+    window = window_size(level)
     if window > 1:
-        items.update(windowed(items, window, ("k", "v", level.objective.gate)))
+        names = ("k", "v", level.objective.gate)
+        stacked, buffer = windowed(items, window, names, cache["window"])
+        items.update(stacked)
+        cache = {**cache, "window": buffer}
     items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
     mask = jnp.arange(T + pad) < T
     # (B, T, H, ...) -> (B, H, T, ...) so that vmaps over B then H see one memory's stream.
@@ -247,4 +271,4 @@ def run_generic(level: Level, state: LevelState, ctx: Context):
 
     o, params, opt_state = jax.vmap(jax.vmap(one))(state.params, state.opt_state, items)
     o = jnp.moveaxis(o, 1, 2)[:, :T]
-    return o, state.replace(params=params, opt_state=opt_state)
+    return o, state.replace(params=params, opt_state=opt_state, cache=cache)

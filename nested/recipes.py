@@ -136,21 +136,27 @@ def _network(memory) -> dict:
 
 def _fast_neural(op: Callable, *, reads=("after_write", "chunk_start")) -> Callable:
     """A fast form for a neural memory, ``op(level, params, momentum, ctx) -> (o, params,
-    momentum)`` with the ops' layer layout; truncated levels and reads the op lacks run the
-    generic path."""
+    momentum)`` with the ops' layer layout (a windowed op also takes and returns the window
+    buffer of :func:`nested.inner.initial_state` as ``window=``); truncated levels and reads
+    the op lacks run the generic path."""
 
     def fast(level: Level, state: LevelState, ctx: inner.Context):
         if level.truncate or level.read not in reads:
             return inner.run_generic(level, state, ctx)
         opt_state = state.opt_state  # the chain state of gradient_descent / muon
         momentum = opt_state[1].trace if len(opt_state) > 1 else None  # their momentum trace
-        o, params, momentum = op(
-            level, _layers(state.params), None if momentum is None else _layers(momentum), ctx
-        )
+        args = (level, _layers(state.params), None if momentum is None else _layers(momentum), ctx)
+        cache = state.cache
+        if inner.window_size(level) > 1:
+            o, params, momentum, window = op(*args, window=cache["window"])
+            cache = {**cache, "window": window}
+        else:
+            o, params, momentum = op(*args)
         if momentum is not None:
             trace = type(opt_state[1])(_like(momentum, state.params))
             opt_state = (*opt_state[:1], trace, *opt_state[2:])
-        return o, state.replace(params=_like(params, state.params), opt_state=opt_state)
+        params = _like(params, state.params)
+        return o, state.replace(params=params, opt_state=opt_state, cache=cache)
 
     return fast
 
@@ -186,8 +192,11 @@ def _titans_op(level, params, momentum, ctx):
 
 
 def _atlas_op(ns_steps: int) -> Callable:
-    def op(level, params, momentum, ctx):
+    def op(level, params, momentum, ctx, window=None):
         g, memory = ctx.gates, level.memory
+        state = (params, momentum)
+        if window is not None:  # the last c - 1 samples of the previous call
+            state = ops.AtlasState(params, momentum, window["k"], window["v"], window["gate"])
         degree = memory.degree if isinstance(memory, memories.Featurized) else 1
         phi = None if degree == 1 else partial(memories.polynomial_features, degree=degree)
         o, state = ops.atlas(
@@ -198,7 +207,7 @@ def _atlas_op(ns_steps: int) -> Callable:
             g["momentum"],
             g["decay"],
             g[level.objective.gate],
-            state=(params, momentum),
+            state=state,
             window=level.objective.window,
             chunk_size=level.every,
             feature_map=phi,
@@ -206,7 +215,10 @@ def _atlas_op(ns_steps: int) -> Callable:
             read=level.read,
             **_network(memory),
         )
-        return o, state.params, state.momentum
+        if window is None:
+            return o, state.params, state.momentum
+        buffer = {"k": state.keys, "v": state.values, "gate": state.gates}
+        return o, state.params, state.momentum, buffer
 
     return op
 

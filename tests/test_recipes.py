@@ -27,20 +27,34 @@ def context(level, T, seed=0):
     )
 
 
-def compare(level, T, rtol=1e-9):
-    ctx = context(level, T)
+def start_state(level):
+    """Random initial memories, a non-zero momentum (or other optimizer state) where the rule
+    has one, and a full window of earlier samples where the objective reads a window."""
     keys = jax.random.split(jax.random.key(9), B * H)
     W0 = jax.tree.map(
         lambda p: 0.5 * p.reshape(B, H, *p.shape[1:]), jax.vmap(level.memory.init)(keys)
     )
     state = inner.initial_state(level, W0)
-    # a non-zero momentum (or other optimizer state) at the start, where the rule has one
     state = state.replace(opt_state=jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), state.opt_state))
+    if state.cache is not None:
+        earlier = context(level, inner.window_size(level) - 1, seed=5)
+        window = {
+            "k": jnp.moveaxis(earlier.k, 1, 2),
+            "v": jnp.moveaxis(earlier.v, 1, 2),
+            "gate": jnp.moveaxis(earlier.gates[level.objective.gate], 1, 2),
+        }
+        state = state.replace(cache={"window": window})
+    return W0, state
+
+
+def compare(level, T, rtol=1e-9):
+    ctx = context(level, T)
+    W0, state = start_state(level)
 
     def path(generic):
         def f(ctx, W0):
             o, final = inner.run(level, state.replace(params=W0), ctx, generic=generic)
-            return o, (final.params, final.opt_state)
+            return o, (final.params, final.opt_state, final.cache)
 
         return f
 
@@ -89,6 +103,35 @@ NEURAL = [
 def test_neural_rule_generic_path_equals_its_op(rule, kwargs):
     d = kwargs.pop("d", 3)
     compare(nl.recipes.RULES[rule](d_k=d, d_v=d, **kwargs), 11, rtol=1e-8)
+
+
+STREAMED = [
+    ("titans", {"depth": 2, "hidden": 5, "every": 2}),
+    ("atlas", {"window": 3, "degree": 2, "depth": 2, "hidden": 5, "ns_steps": 0, "every": 2}),
+    ("atlas", {"window": 4, "degree": 1, "depth": 1, "ns_steps": 2, "every": 1}),
+]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize(("rule", "kwargs"), STREAMED)
+def test_a_stream_split_across_calls_equals_one_call(rule, kwargs, generic):
+    """The carried state (momentum, and the Omega window's last samples) continues the stream:
+    ATLAS's first windows of the second call reach back into the first."""
+    level = nl.recipes.RULES[rule](d_k=3, d_v=3, **kwargs)
+    ctx = context(level, 10)
+    _, state = start_state(level)
+    whole, final = inner.run(level, state, ctx, generic=generic)
+    part = lambda a, b: jax.tree.map(lambda x: x[:, a:b], ctx)
+    first, middle = inner.run(level, state, part(0, 4), generic=generic)
+    second, end = inner.run(level, middle, part(4, 10), generic=generic)
+    np.testing.assert_allclose(jnp.concatenate([first, second], 1), whole, rtol=1e-9)
+    for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    if state.cache is not None:  # the stream's last c - 1 samples
+        c = inner.window_size(level)
+        np.testing.assert_array_equal(
+            end.cache["window"]["k"], jnp.moveaxis(ctx.k, 1, 2)[..., 11 - c :, :]
+        )
 
 
 def test_fast_forms_fall_back_where_the_op_does_not_apply():
