@@ -80,8 +80,8 @@ MQAR_OVERRIDES: dict[str, tuple[tuple[tuple[str, object], ...], str]] = {
 }
 CHAR_LM_STEPS = 200  # the configs train 3000 steps: hours here for the neural memories
 # Hope's two-layer model takes ~4 s a step here (each CMS window's gradient runs through the
-# second layer's Titans memory, and the outer gradient differentiates that gradient), so Hope
-# runs one layer, next to DeltaNet in the same setting. Titans in chunks of 16 shows the
+# second layer's Titans memory, and the outer gradient differentiates that gradient); it also
+# runs with one layer, next to DeltaNet in the same setting. Titans in chunks of 16 shows the
 # divergence the config notes.
 ONE_LAYER = (("model.layers", 1),)
 CHAR_LM_ROWS = (
@@ -89,6 +89,8 @@ CHAR_LM_ROWS = (
     ("ttt_linear", "ttt_linear", (), ""),
     ("ttt_mlp", "ttt_mlp", (), ""),
     ("titans", "titans", (), ""),
+    ("titans_mag", "titans_mag", (), ""),
+    ("hope", "hope", (), ""),
     ("delta_1layer_200", "delta", ONE_LAYER, "1 layer"),
     ("hope_1layer_200", "hope", ONE_LAYER, "1 layer"),
     (

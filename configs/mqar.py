@@ -11,7 +11,8 @@ Variants: ``configs/mqar.py:<rule>`` for any rule of ``nested.recipes.RULES`` (d
 small Hope model: a self-modifying DeltaNet memory (``levels.memory``, owned by its key, value
 and query projections, ``levels.projections``, fast memories updated every 8 tokens) and a
 Continuum Memory System of two MLP blocks learning over windows of 16 and 64 tokens
-(``levels.cms1``, ``levels.cms2``). Overrides: ``--config.model.dim=128``,
+(``levels.cms1``, ``levels.cms2``); it reaches 97.6% mean accuracy at width 64 and 99.5% at
+128 (RESULTS.md). Overrides: ``--config.model.dim=128``,
 ``--config.levels.memory.every=16`` (mini-batch TTT), ``--config.train.steps=2000``.
 
 Differences from Zoology, for a CPU budget of minutes: vocabulary 256 instead of 8192 (at

@@ -6,7 +6,8 @@ haystacks, evaluated at 64, 256 and 1024 tokens (``len64``, ``len256``, ``len102
 the trained length). Trained at 256 tokens the task gives two scored tokens per 256 and a
 DeltaNet stays at chance after 2000 steps (the needle is rarely retrieved early on, so
 there is no signal to learn the write gates from); at 64 tokens it finds the retrieval and
-carries it to longer haystacks (1000 steps here: 52% / 50% / 43%).
+carries it to longer haystacks (DeltaNet, 2000 steps, 2 min on 2 CPU cores: 100% / 93.4% /
+55.5% at 64 / 256 / 1024 tokens).
 
 Variants: ``configs/niah.py:<rule>`` for any rule of ``nested.recipes.RULES`` (default
 ``delta``). Vocabulary 512 instead of 8192 to fit a CPU budget

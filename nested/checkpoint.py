@@ -139,9 +139,9 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
 
 
 def _collect_abandoned_reads() -> None:
-    """A failed restore leaves orbax's other pending reads to die at garbage collection, each
-    printing an "Exception ignored" traceback; collect them now, quietly (the failure itself
-    is reported in one line)."""
+    """A restore (a failed one always, a successful one sometimes) leaves orbax's pending
+    array reads to die at garbage collection, each printing an "Exception ignored" traceback;
+    collect them now, quietly (a failure itself is reported in one line)."""
     hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
     try:
         gc.collect()
@@ -219,6 +219,7 @@ class Checkpointer:
             restored = self._attempt(step, state=ocp.args.StandardRestore(_abstract(like)))
             if restored is None:
                 continue
+            _collect_abandoned_reads()  # a read can outlive even a successful restore
             state = _unstorable(restored.state, like)
             saved = meta.get("fingerprint")
             if saved is not None and saved != (now := fingerprint(state)):
