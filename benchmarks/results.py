@@ -81,8 +81,8 @@ MQAR_OVERRIDES: dict[str, tuple[tuple[tuple[str, object], ...], str]] = {
 CHAR_LM_STEPS = 200  # the configs train 3000 steps: hours here for the neural memories
 # Hope's two-layer model takes ~4 s a step here (each CMS window's gradient runs through the
 # second layer's Titans memory, and the outer gradient differentiates that gradient); it also
-# runs with one layer, next to DeltaNet in the same setting. Titans in chunks of 16 shows the
-# divergence the config notes.
+# runs with one layer, next to DeltaNet in the same setting. Titans in chunks of 16 needs its
+# step range divided by the chunk (the config notes why).
 ONE_LAYER = (("model.layers", 1),)
 CHAR_LM_ROWS = (
     ("delta", "delta", (), ""),
@@ -96,8 +96,8 @@ CHAR_LM_ROWS = (
     (
         "titans_every16",
         "titans",
-        (("levels.memory.every", 16),),
-        "Titans in chunks of 16 (its gates are per-token sizes)",
+        (("levels.memory.every", 16), ("levels.memory.lr_scale", 0.1 / 16)),
+        "Titans in chunks of 16, step range (0, 0.1/16)",
     ),
 )
 

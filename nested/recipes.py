@@ -335,9 +335,13 @@ def titans(
     d_v: int,
     depth: int = 2,
     hidden: int | None = None,
+    lr_scale: float = 0.1,
     **level_kwargs,
 ) -> Level:
-    """Titans' neural memory: momentum ``m_t``, step ``h_t`` and forgetting ``a_t`` gates."""
+    """Titans' neural memory: momentum ``m_t``, step ``h_t`` in ``(0, lr_scale)`` and forgetting
+    ``a_t`` gates. In chunks of ``every = C`` tokens the C steps of a chunk add up at the
+    chunk-start state (and momentum amplifies them), so chunked updates want a smaller range,
+    about ``lr_scale / C``: on text, C = 16 diverges at the first step with the default."""
     memory = (
         memories.Linear(d_k, d_v)
         if depth == 1
@@ -348,7 +352,7 @@ def titans(
         memory=memory,
         objective=objectives.l2,
         update=rules.gradient_descent(
-            "lr", momentum="momentum", decay="decay", gate_kinds=_bounded_lr(0.1)
+            "lr", momentum="momentum", decay="decay", gate_kinds=_bounded_lr(lr_scale)
         ),
         fast=_fast_neural(_titans_op),
         **level_kwargs,

@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_configs
 
 import nested as nl
+from nested import config as nc
 from nested import inner
 
 B, H, DK, DV = 2, 2, 4, 3
@@ -141,3 +143,12 @@ def test_fast_forms_fall_back_where_the_op_does_not_apply():
     a = inner.run(level, state, ctx)[0]
     b = inner.run(level, state, ctx, generic=True)[0]
     np.testing.assert_array_equal(a, b)
+
+
+def test_titans_step_range_is_configurable_for_chunked_updates():
+    gate = nl.recipes.titans(d_k=4, d_v=4, lr_scale=0.1 / 16, every=16).gates["lr"]
+    assert (gate.scale, gate.init) == (0.00625, 0.003125)
+    assert float(gate.activate(jnp.asarray(30.0))) == pytest.approx(0.00625)
+    config = nc.load(f"{tiny_configs.path('char_lm')}:titans")
+    config.levels.memory.lr_scale = 0.01  # --config.levels.memory.lr_scale=0.01
+    assert nc.build(config).system["memory"].gates["lr"].scale == 0.01
