@@ -32,7 +32,9 @@ from nested import ops
 B, H, D, HIDDEN = 4, 4, 64, 256
 
 
-def inputs(t, d_k):
+def inputs(t, d_k, chunk):
+    """The sequence and gates; step sizes in (0.01, 0.1) / chunk: a chunk's steps add up at
+    its start state, and the full range diverges to NaN (a timing of NaNs proves nothing)."""
     rng = np.random.default_rng(0)
     normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     gate = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, (B, t, H)), jnp.float32)
@@ -41,7 +43,7 @@ def inputs(t, d_k):
         "q": normal(B, t, H, d_k),
         "k": k / jnp.linalg.norm(k, axis=-1, keepdims=True),
         "v": normal(B, t, H, D),
-        "lr": gate(0.01, 0.1),
+        "lr": gate(0.01, 0.1) / chunk,
         "momentum": gate(0.8, 0.95),
         "decay": gate(0.0, 0.05),
         "gates": gate(0.5, 1.0),
@@ -57,20 +59,20 @@ def memory(d_in):
 def case(op, chunk, t, **config):
     """(loss(x, state), x, state) for one op; x holds the sequence and its gates."""
     if op == "ttt_mlp":
-        x = {n: y for n, y in inputs(t, D).items() if n in ("q", "k", "v", "lr")}
+        x = {n: y for n, y in inputs(t, D, chunk).items() if n in ("q", "k", "v", "lr")}
 
         def loss(x, state):
             return ops.ttt_mlp(**x, params=state, chunk_size=chunk)[0].sum()
 
         return loss, x, memory(D)
     if op == "titans":
-        x = {n: y for n, y in inputs(t, D).items() if n != "gates"}
+        x = {n: y for n, y in inputs(t, D, chunk).items() if n != "gates"}
 
         def loss(x, state):
             return ops.titans(**x, state=state, chunk_size=chunk, **config)[0].sum()
 
         return loss, x, ops.titans_state(memory(D))
-    x = inputs(t, D)
+    x = inputs(t, D, chunk)
     window = 4
 
     def loss(x, state):
@@ -87,6 +89,9 @@ def measure(op, chunk, t, runs, **config):
     loss, x, state = case(op, chunk, t, **config)
     fwd = jax.jit(loss)
     both = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    grads = both(x, state)
+    if not all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves((fwd(x, state), grads))):
+        raise SystemExit(f"{op} C={chunk}: non-finite outputs or gradients; timing them is void")
     temp = both.lower(x, state).compile().memory_analysis().temp_size_in_bytes
     t_fwd = timing.median_seconds(fwd, (x, state), runs)
     t_both = timing.median_seconds(both, (x, state), runs)
