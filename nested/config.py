@@ -128,25 +128,13 @@ def projections(
     lr_scale: float | None = None,
     **level_kwargs,
 ) -> Level:
-    """Hope's projection level (:func:`nested.hope.projection_level`), ``dim -> dim``
-    (``d_k == d_v == dim``), updated every ``every`` tokens on self-generated targets.
-
-    ``lr_scale`` multiplies the range (and initial value) of its step-size gate, ``(0, 1)``
-    in ``projection_level``. Default ``1 / (dim * every)``: a chunk's summed gradient has
-    curvature up to ``every * |x|^2 = every * dim`` for RMS-normalised inputs, so any step in
-    the range is stable (the unscaled range diverges at the first step of a width-128 model
-    on text).
-    """
+    """Hope's projection level (:func:`nested.hope.projection_level`: step size in ``(0,
+    lr_scale)``, default ``1 / (dim * every)``), ``dim -> dim`` (``d_k == d_v == dim``),
+    updated every ``every`` tokens on self-generated targets."""
     if d_k != d_v:
         raise ValueError(f"projections map dim -> dim: d_k={d_k} and d_v={d_v} must be equal")
-    level = hope.projection_level(d_k, every, name=name)
-    scale = 1.0 / (d_k * every) if lr_scale is None else lr_scale
-    gates = {
-        n: dataclasses.replace(g, init=g.init and g.init * scale, scale=g.scale * scale)
-        for n, g in level.rule.gates.items()
-    }
-    update = dataclasses.replace(level.rule, gates=gates)
-    return dataclasses.replace(level, update=update, **level_kwargs)
+    level = hope.projection_level(d_k, every, name=name, lr_scale=lr_scale)
+    return dataclasses.replace(level, **level_kwargs)
 
 
 # Levels a config can declare besides the memory rules of recipes.RULES, by name.

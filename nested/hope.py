@@ -112,7 +112,7 @@ class SelfModifyingLayer(nnx.Module):
         memory = state["memory"]
         if self.conv is not None:
             kvq, conv = self.conv(kvq.reshape(B, C, 3 * dim), memory.cache["conv"])
-            memory = memory.replace(cache={"conv": conv})
+            memory = memory.replace(cache={**memory.cache, "conv": conv})
         k, v, q = jnp.moveaxis(kvq.reshape(B, C, 3, dim), 2, 0)
         heads = lambda a: a.reshape(B, C, self.heads, -1)
         gates = {
@@ -150,11 +150,20 @@ class SelfModifyingLayer(nnx.Module):
         return self.out(o.reshape(B, T, -1)), state
 
 
-def projection_level(dim: int, every: int, *, name: str = "projections") -> Level:
+def projection_level(
+    dim: int, every: int, *, name: str = "projections", lr_scale: float | None = None
+) -> Level:
     """The projection memories of a self-modifying layer: linear ``dim -> dim``, one SGD step
     on ``1/2 |P x - P v|^2`` per chunk of ``every`` tokens with a learned step size ``beta``
-    in (0, 1) (the delta rule in mini-batches, so the chunkwise form of
-    :func:`nested.ops.ttt_linear` runs it)."""
+    in ``(0, lr_scale)`` (the delta rule in mini-batches, so the chunkwise form of
+    :func:`nested.ops.ttt_linear` runs it).
+
+    Default ``lr_scale = 1 / (dim * every)``: a chunk's summed gradient has curvature up to
+    ``every * |x|^2 = every * dim`` for RMS-normalised inputs, so any step in the range is
+    stable (a range of (0, 1) diverges at the first step of a width-128 model on text).
+    """
+    scale = 1.0 / (dim * every) if lr_scale is None else lr_scale
+    step = rules.Gate("unit", init=0.01 * scale, scale=scale)
     level = recipes.delta(name, d_k=dim, d_v=dim, every=every)
-    update = rules.gradient_descent("beta", gate_kinds={"lr": rules.Gate("unit", init=0.01)})
+    update = rules.gradient_descent("beta", gate_kinds={"lr": step})
     return dataclasses.replace(level, update=update)

@@ -116,7 +116,6 @@ def test_a_hope_config_builds_the_system_a_hand_written_declaration_does():
     )
     config.levels.memory = nc.level_config("delta", owner="projections")
     config.levels.projections.every = 4
-    config.levels.projections.lr_scale = 1.0  # projection_level's own step-size range
     for name, every in (("cms1", 4), ("cms2", 8), ("cms3", 16)):
         tiny_configs.override(config.levels[name], {"every": every, "hidden": 16, "lr": 0.1})
     built, by_hand = nc.build(config).program, hope_program(vocab=256)

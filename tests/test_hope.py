@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import nested as nl
@@ -13,9 +14,9 @@ from nested.models import MemoryLM
 DIM, HEADS, C = 8, 2, 4
 
 
-def make_layer(every=1, conv=4):
-    memory = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, every=every)
-    projections = projection_level(DIM, C)
+def make_layer(every=1, conv=4, lr_scale=None, memory=None):
+    memory = memory or nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, every=every)
+    projections = projection_level(DIM, C, lr_scale=lr_scale)
     return SelfModifyingLayer(
         memory, projections=projections, dim=DIM, heads=HEADS, conv=conv, rngs=nnx.Rngs(0)
     )
@@ -26,13 +27,13 @@ def x_of(T, seed=0):
 
 
 def test_projections_change_once_per_chunk_by_the_self_generated_regression():
-    layer = make_layer(conv=0)  # v_t = P_v x_t exactly
+    layer = make_layer(conv=0, lr_scale=1.0)  # v_t = P_v x_t exactly; steps in (0, 1)
     x = x_of(C)
     state = layer.initial_state(2)
     _, after = layer(x, state)
     P = state["projections"].params["W"]  # (B, 3, dim, dim)
     v = jnp.einsum("boi,bti->bto", P[:, 1], x)  # the chunk's values, chunk-start P_v
-    lr = jax.nn.sigmoid(layer.projection_gates["beta"](x))  # (B, C, 3)
+    lr = layer.projections.gates["beta"].activate(layer.projection_gates["beta"](x))  # (B, C, 3)
     targets = jnp.einsum("bpoi,bti->btpo", P, v)
     errors = jnp.einsum("bpoi,bti->btpo", P, x) - targets
     expected = P - jnp.einsum("btp,btpo,bti->bpoi", lr, errors, x)
@@ -41,8 +42,16 @@ def test_projections_change_once_per_chunk_by_the_self_generated_regression():
     assert jnp.any(partial["projections"].params["W"] != P)
 
 
-def test_streaming_at_chunk_boundaries():
-    layer = make_layer()
+# The memory's state carries the convolution's last inputs, and an ATLAS memory's also its
+# Omega window: both must survive the layer's chunks and the split between calls.
+ATLAS = nl.recipes.atlas(
+    d_k=DIM // HEADS, d_v=DIM // HEADS, window=3, degree=1, depth=1, ns_steps=0
+)
+
+
+@pytest.mark.parametrize("memory", [None, ATLAS], ids=["delta", "atlas"])
+def test_streaming_at_chunk_boundaries(memory):
+    layer = make_layer(memory=memory)
     x = x_of(3 * C + 2)
     whole, final = layer(x, layer.initial_state(2))
     a, mid = layer(x[:, : 2 * C], layer.initial_state(2))
