@@ -137,13 +137,20 @@ class ContinualTask:
             raise ValueError(f"task_id={task_id} is out of range [0, {self.num_tasks})")
         if not isinstance(row, int | np.integer) or row < 0:
             raise ValueError(f"row={row!r} must be a non-negative int (a batch row index)")
-        table = self._table_cache.get("table")
-        built = table is not None and row < table.shape[0]
-        return (table[row] if built else self._chain(int(row)))[task_id].astype(np.int32)
+        return self._chain(int(row))[task_id].astype(np.int32)
 
     def _chain(self, row: int) -> np.ndarray:
         """(num_tasks, num_keys) int64: row ``row``'s maps f_0^row .. f_{num_tasks-1}^row,
-        drawn from the generator of (seed, "mapping", row) alone."""
+        drawn from the generator of (seed, "mapping", row) alone; drawn once per row."""
+        if row not in self._chains:
+            self._chains[row] = self._draw_chain(row)
+        return self._chains[row]
+
+    @functools.cached_property
+    def _chains(self) -> dict[int, np.ndarray]:
+        return {}
+
+    def _draw_chain(self, row: int) -> np.ndarray:
         half = self.vocab_size // 2
         values = np.arange(half, self.vocab_size)
         rng = rng_for(self.seed, "mapping", row)
@@ -158,24 +165,6 @@ class ContinualTask:
             maps[j, moved] = free[sample_without_replacement(rng, free.size, moved.size, rows=1)[0]]
         return maps
 
-    def _table(self, rows: int) -> np.ndarray:
-        """(rows, num_tasks, num_keys) int64: the chains of rows 0..rows-1.
-
-        Built once and grown on demand (batches always use rows 0..B-1), so a batch costs a
-        slice, not B chain draws. Concurrent growth is harmless: chains are deterministic.
-        """
-        table = self._table_cache.get("table")
-        if table is None or table.shape[0] < rows:
-            built = 0 if table is None else table.shape[0]
-            more = np.stack([self._chain(r) for r in range(built, rows)])
-            table = more if table is None else np.concatenate([table, more])
-            self._table_cache["table"] = table
-        return table[:rows]
-
-    @functools.cached_property
-    def _table_cache(self) -> dict[str, np.ndarray]:
-        return {}
-
     def batch(self, index: int, batch_size: int, *, split: str = "train") -> Batch:
         """Batch ``index`` of ``split`` ("train": task ``task_at(index)``; "task{k}": task k);
         row r follows ``mapping(task, r)``."""
@@ -185,7 +174,7 @@ class ContinualTask:
 
     def _sequences(self, rng: np.random.Generator, rows: int, task_id: int) -> Batch:
         p, q = self.num_pairs, self.num_queries
-        f = self._table(rows)[:, task_id]  # (rows, K): row r's map
+        f = np.stack([self._chain(r)[task_id] for r in range(rows)])  # (rows, K): row r's map
         presented = sample_without_replacement(rng, self.num_keys, p, rows=rows)
         queried = sample_without_replacement(rng, self.num_keys, q, rows=rows)
         answers = np.take_along_axis(f, queried, axis=1)
