@@ -335,13 +335,16 @@ def titans(
     d_v: int,
     depth: int = 2,
     hidden: int | None = None,
-    lr_scale: float = 0.1,
+    lr_scale: float | None = None,
     **level_kwargs,
 ) -> Level:
     """Titans' neural memory: momentum ``m_t``, step ``h_t`` in ``(0, lr_scale)`` and forgetting
     ``a_t`` gates. In chunks of ``every = C`` tokens the C steps of a chunk add up at the
-    chunk-start state (and momentum amplifies them), so chunked updates want a smaller range,
-    about ``lr_scale / C``: on text, C = 16 diverges at the first step with the default."""
+    chunk-start state (and momentum amplifies them), so the default range shrinks with the
+    chunk, ``lr_scale = 0.1 / C`` (0.1 per token): on text, C = 16 with 0.1 diverges at the
+    first step."""
+    if lr_scale is None:
+        lr_scale = 0.1 / level_kwargs.get("every", 1)
     memory = (
         memories.Linear(d_k, d_v)
         if depth == 1

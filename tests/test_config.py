@@ -97,6 +97,9 @@ def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
     }
     assert isinstance(system["memory"].memory, memories.MLP)  # Titans, two layers
     assert system["memory"].memory.d_k == dim // heads
+    # mini-batches of 16 with the step range shrunk to match (per token its start is rough)
+    assert system["memory"].every == 16
+    assert system["memory"].gates["lr"].scale == pytest.approx(0.1 / 16)
     projections = system["projections"]
     assert (projections.memory.d_k, projections.memory.d_v, projections.every) == (dim, dim, 16)
     assert projections.gates["beta"].scale == pytest.approx(1 / (dim * 16))  # stable steps

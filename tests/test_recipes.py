@@ -145,10 +145,12 @@ def test_fast_forms_fall_back_where_the_op_does_not_apply():
     np.testing.assert_array_equal(a, b)
 
 
-def test_titans_step_range_is_configurable_for_chunked_updates():
-    gate = nl.recipes.titans(d_k=4, d_v=4, lr_scale=0.1 / 16, every=16).gates["lr"]
+def test_titans_step_range_shrinks_with_the_chunk_and_is_configurable():
+    gate = nl.recipes.titans(d_k=4, d_v=4, every=16).gates["lr"]  # default 0.1 / every
     assert (gate.scale, gate.init) == (0.00625, 0.003125)
     assert float(gate.activate(jnp.asarray(30.0))) == pytest.approx(0.00625)
+    assert nl.recipes.titans(d_k=4, d_v=4).gates["lr"].scale == 0.1
+    assert nl.recipes.titans(d_k=4, d_v=4, every=16, lr_scale=0.5).gates["lr"].scale == 0.5
     config = nc.load(f"{tiny_configs.path('char_lm')}:titans")
     config.levels.memory.lr_scale = 0.01  # --config.levels.memory.lr_scale=0.01
     assert nc.build(config).system["memory"].gates["lr"].scale == 0.01
