@@ -10,8 +10,12 @@ the compiled forward+backward's temporary memory. ``C=1`` rows are the per-token
 The 2048^2 float32 matmul rate, measured in the same run, puts the rows in proportion.
 
 ATLAS rows use window 4 and degree-2 polynomial key features (memory input 128). With Muon
-(5 Newton-Schulz steps) every token orthogonalises its two momentum matrices, about 50 MFLOP per
-token and head, so those rows run on a shorter sequence (--muon-T).
+(5 Newton-Schulz steps) every token orthogonalises its two momentum matrices (256 x 128 and
+64 x 256), about 130 MFLOP per token and head, so those rows run on a shorter sequence (--muon-T).
+
+--rounds R repeats every measurement R times and reports medians; against the peers each
+round's ratio is taken from figures measured minutes apart, and the table shows the median
+ratio with its range over the rounds (this machine's throughput drifts by 25% between runs).
 
 --peers runs /work/shared/peers/bench_peers.py (titans-pytorch NeuralMemory, depth-2 MLP memory,
 chunk-start reads) with the interpreter ``bash /work/shared/peers/setup.sh`` prints, and adds
@@ -105,6 +109,7 @@ def main():
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--muon-T", type=int, default=32, help="sequence length of Muon rows")
     parser.add_argument("--peers", action="store_true", help="also run titans-pytorch")
+    parser.add_argument("--rounds", type=int, default=1, help="measure everything this often")
     parser.add_argument("--only", default="", help="run only rows whose label contains this")
     args = parser.parse_args()
     t = args.T
@@ -120,38 +125,53 @@ def main():
     ]
     rows = [row for row in rows if args.only in row[0]]
     gflops = timing.matmul_gflops()
-    results = {}
-    for label, op, chunk, length, config in rows:
-        start = time.perf_counter()
-        results[label] = measure(op, chunk, length, args.runs, **config)
-        print(f"{label}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    peers = timing.peer_rows(t, args.runs) if args.peers else None
+    rounds = []  # per round: label -> measure(), and the peers' tokens/s
+    for r in range(args.rounds):
+        results = {}
+        for label, op, chunk, length, config in rows:
+            start = time.perf_counter()
+            results[label] = measure(op, chunk, length, args.runs, **config)
+            print(f"round {r + 1} {label}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        peers = timing.peer_rows(t, args.runs) if args.peers else None
+        rounds.append((results, peers))
+    median = lambda values: float(np.median(values))
+    stat = lambda label, key: median([res[label][key] for res, _ in rounds])
 
     print(f"\nB={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32, {jax.devices()[0]},", end="")
     print(f" jax {jax.__version__}; 2048^2 matmul: {gflops:.0f} GFLOP/s (JAX)", end="")
-    print(f", {peers['torch_matmul_gflops']:.0f} GFLOP/s (torch)" if peers else "")
+    print(f", {peers['torch_matmul_gflops']:.0f} GFLOP/s (torch)" if args.peers else "")
+    if args.rounds > 1:
+        print(f"Medians over {args.rounds} rounds (each round measures every row, then the peers).")
     print()
     print("| row | T | fwd tok/s | fwd+bwd tok/s | bwd/fwd | temp MB | vs per-token |")
     print("| --- | --: | --: | --: | --: | --: | --: |")
     for label, _, _, length, _ in rows:
-        r = results[label]
-        base = results.get(label.rsplit("C=", 1)[0] + "C=1")
-        speedup = f"{r['fwd_bwd'] / base['fwd_bwd']:.1f}x" if base else "-"
+        base = label.rsplit("C=", 1)[0] + "C=1"
+        speedup = "-"
+        if base in rounds[0][0]:
+            speedup = f"{stat(label, 'fwd_bwd') / stat(base, 'fwd_bwd'):.1f}x"
         print(
-            f"| {label} | {length} | {r['fwd']:.0f} | {r['fwd_bwd']:.0f} | {r['ratio']:.2f} | "
-            f"{r['temp'] / 2**20:.0f} | {speedup} |"
+            f"| {label} | {length} | {stat(label, 'fwd'):.0f} | {stat(label, 'fwd_bwd'):.0f} | "
+            f"{stat(label, 'ratio'):.2f} | {stat(label, 'temp') / 2**20:.0f} | {speedup} |"
         )
-    if peers:
-        print("\n| titans-pytorch (fwd+bwd) | tok/s | ours after-write | ratio | ours chunk-start |"
-              " ratio |")  # fmt: skip
-        print("| --- | --: | --: | --: | --: | --: |")
-        for c in (16, 64):
-            theirs = peers["tokens_per_s"][f"titans_depth2_C{c}"]
-            cells = []
-            for label in (f"Titans C={c}", f"Titans chunk-start read C={c}"):
-                ours = results.get(label, {}).get("fwd_bwd")
-                cells += [f"{ours:.0f}", f"{ours / theirs:.1f}x"] if ours else ["-", "-"]
-            print(f"| C={c} | {theirs:.0f} | " + " | ".join(cells) + " |")
+    if not args.peers:
+        return
+    # Ratios are taken round by round (ours and theirs minutes apart), then summarised.
+    print("\n| titans-pytorch (fwd+bwd) | tok/s | ours after-write | ratio | ours chunk-start |"
+          " ratio |")  # fmt: skip
+    print("| --- | --: | --: | --: | --: | --: |")
+    for c in (16, 64):
+        theirs = [p["tokens_per_s"][f"titans_depth2_C{c}"] for _, p in rounds]
+        cells = []
+        for label in (f"Titans C={c}", f"Titans chunk-start read C={c}"):
+            if label not in rounds[0][0]:
+                cells += ["-", "-"]
+                continue
+            ours = [res[label]["fwd_bwd"] for res, _ in rounds]
+            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+            spread = f" ({min(ratios):.1f}-{max(ratios):.1f})" if len(ratios) > 1 else ""
+            cells += [f"{stat(label, 'fwd_bwd'):.0f}", f"{median(ratios):.1f}x{spread}"]
+        print(f"| C={c} | {median(theirs):.0f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
