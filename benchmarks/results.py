@@ -83,7 +83,7 @@ MQAR_OVERRIDES: dict[str, tuple[tuple[tuple[str, object], ...], str]] = {
     ),
 }
 CHAR_LM_STEPS = 200  # the configs train 3000 steps: hours here for the neural memories
-# Hope's two-layer model takes ~2.3 s a step here (each CMS window's gradient runs through the
+# Hope's two-layer model takes ~2 s a step here (each CMS window's gradient runs through the
 # second layer's Titans memory, and the outer gradient differentiates that gradient); it also
 # runs with one layer, next to DeltaNet in the same setting. Titans in chunks of 16 gets the
 # step range (0, 0.1/16) by default (the config notes why).

@@ -54,6 +54,5 @@ class ContinuumMemory(nnx.Module):
 
     def __call__(self, x: jax.Array, states) -> tuple[jax.Array, tuple[LevelState, ...]]:
         for level, norm, state in zip(self.levels, self.norms, states, strict=True):
-            read = jax.vmap(lambda p, xs, m=level.memory: jax.vmap(lambda t: m.apply(p, t))(xs))
-            x = x + read(state.params, norm(x))
+            x = x + jax.vmap(level.memory.apply)(state.params, norm(x))  # per sequence
         return x, tuple(states)

@@ -40,7 +40,7 @@ class Memory(Protocol):
         """Initial parameters of one memory."""
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
-        """Read one key: ``(d_k,) -> (d_v,)``."""
+        """Read keys: ``(..., d_k) -> (..., d_v)`` (one key, or rows of keys read at once)."""
 
 
 def _check_dims(memory: object, **dims: int) -> None:
@@ -70,7 +70,13 @@ class Linear:
         return {"W": self.init_scale * jax.random.normal(key, (self.d_v, self.d_k))}
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
-        return params["W"] @ k
+        return _rows_times(k, params["W"])
+
+
+def _rows_times(k: jax.Array, w: jax.Array) -> jax.Array:
+    """``W k`` for every row of ``k (..., d_in)``, ``W (d_out, d_in)``: one matmul for a batch of
+    keys (a vmapped matrix-vector product compiles to slow transposed dots on CPU)."""
+    return jnp.einsum("...i,oi->...o", k, w)
 
 
 def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -140,7 +146,7 @@ class MLP:
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
         return mlp_forward(
-            lambda layer, u: params[layer]["w"] @ u,
+            lambda layer, u: _rows_times(u, params[layer]["w"]),
             k,
             self.depth,
             ACTIVATIONS[self.activation],

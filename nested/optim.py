@@ -87,8 +87,7 @@ class RowMLP:
     def apply(self, params: Any, g: jax.Array) -> jax.Array:
         rows = g.reshape(-1, g.shape[-1] if g.ndim else 1)
         mlp = self._mlp(rows.shape[-1])
-        out = jax.vmap(lambda r: r + mlp.apply(params, r))(rows)
-        return out.reshape(g.shape)
+        return (rows + mlp.apply(params, rows)).reshape(g.shape)
 
 
 def momentum(beta: float = 0.9, *, name: str = "momentum") -> Level:

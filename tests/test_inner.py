@@ -225,3 +225,22 @@ def test_masked_tail_leaves_the_state_unchanged():
     _, final9 = inner.run(level, state, ctx)
     _, final_ref = reference(ctx, state.params["W"], 1, delta_step)
     np.testing.assert_allclose(final9.params["W"], final_ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        nl.memories.Linear(3, 4, init_scale=1.0),
+        nl.memories.MLP(3, 4, hidden=5),
+        nl.memories.MLP(4, 4, hidden=5, depth=3, residual=True),
+        nl.memories.Featurized(nl.memories.MLP(6, 4, hidden=5), degree=2),
+    ],
+    ids=["linear", "mlp", "mlp_residual", "featurized"],
+)
+def test_a_memory_reads_rows_of_keys_as_it_reads_each_key(memory):
+    params = memory.init(jax.random.key(0))
+    keys = jax.random.normal(jax.random.key(1), (2, 5, memory.d_k))
+    rows = memory.apply(params, keys)
+    one_by_one = jnp.stack([jnp.stack([memory.apply(params, k) for k in row]) for row in keys])
+    assert rows.shape == (2, 5, memory.d_v)
+    np.testing.assert_allclose(rows, one_by_one, rtol=1e-12, atol=1e-12)
