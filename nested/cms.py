@@ -14,11 +14,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from nested import windows
 from nested.layers import initial_memories, per_sequence
 from nested.level import Level, LevelState
+
+
+def _reads_rows(memory, dim: int) -> bool:
+    """Whether ``memory.apply`` maps keys (3, dim) to (3, dim), checked on shapes only."""
+    params = jax.eval_shape(memory.init, jax.random.key(0))
+    rows = jax.ShapeDtypeStruct((3, dim), jnp.float32)
+    try:
+        return jax.eval_shape(memory.apply, params, rows).shape == (3, dim)
+    except (TypeError, ValueError):
+        return False
 
 
 class ContinuumMemory(nnx.Module):
@@ -39,6 +50,12 @@ class ContinuumMemory(nnx.Module):
                 raise ValueError(
                     f"level {level.name!r}: memory maps {level.memory.d_k} -> "
                     f"{level.memory.d_v}, a CMS block of width {dim} needs {dim} -> {dim}"
+                )
+            if not _reads_rows(level.memory, dim):
+                raise ValueError(
+                    f"level {level.name!r}: a CMS block reads a window's tokens at once, so "
+                    f"its memory's apply must map rows of keys (..., {dim}) -> (..., {dim}) "
+                    "(the nested.memories.Memory protocol; the built-in memories do)"
                 )
         self.levels = tuple(levels)
         self.norms = nnx.List([nnx.RMSNorm(dim, rngs=rngs) for _ in levels])

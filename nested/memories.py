@@ -51,6 +51,12 @@ def _check_dims(memory: object, **dims: int) -> None:
             )
 
 
+def _rows_times(k: jax.Array, w: jax.Array) -> jax.Array:
+    """``W k`` for every row of ``k (..., d_in)``, ``W (d_out, d_in)``: one matmul for a batch of
+    keys (a vmapped matrix-vector product compiles to slow transposed dots on CPU)."""
+    return jnp.einsum("...i,oi->...o", k, w)
+
+
 @dataclasses.dataclass(frozen=True)
 class Linear:
     """Linear associative memory ``f_W(k) = W k``, ``W (d_v, d_k)`` (Type I).
@@ -71,12 +77,6 @@ class Linear:
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
         return _rows_times(k, params["W"])
-
-
-def _rows_times(k: jax.Array, w: jax.Array) -> jax.Array:
-    """``W k`` for every row of ``k (..., d_in)``, ``W (d_out, d_in)``: one matmul for a batch of
-    keys (a vmapped matrix-vector product compiles to slow transposed dots on CPU)."""
-    return jnp.einsum("...i,oi->...o", k, w)
 
 
 def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -1,12 +1,16 @@
 """Continuum Memory System: cadence, the update it makes, and exact meta-gradients."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import nested as nl
+from nested.cms import ContinuumMemory
 from nested.models import MemoryLM
 
 VOCAB, DIM, PERIODS = 13, 8, (2, 4, 8)
@@ -148,3 +152,22 @@ def test_window_levels_take_no_gates():
             every="step",
         )
         nl.NestedSystem([outer, level], owners={"cms2": "backbone"})
+
+
+class OneKeyMemory:
+    """A memory written for one key at a time (``W @ k``): it cannot read a window's rows."""
+
+    d_k = d_v = DIM
+
+    def init(self, key):
+        return {"W": jax.random.normal(key, (DIM, DIM))}
+
+    def apply(self, params, k):
+        return params["W"] @ k
+
+
+def test_a_block_whose_memory_reads_one_key_at_a_time_is_refused():
+    level = dataclasses.replace(cms_levels()[0], memory=OneKeyMemory())
+    with pytest.raises(ValueError, match="level 'cms2': a CMS block reads a window's tokens"):
+        ContinuumMemory([level], dim=DIM, rngs=nnx.Rngs(0))
+    ContinuumMemory(cms_levels()[:1], dim=DIM, rngs=nnx.Rngs(0))  # the built-in MLP reads rows
