@@ -163,7 +163,6 @@ def projection_level(
     stable (a range of (0, 1) diverges at the first step of a width-128 model on text).
     """
     scale = 1.0 / (dim * every) if lr_scale is None else lr_scale
-    step = rules.Gate("unit", init=0.01 * scale, scale=scale)
     level = recipes.delta(name, d_k=dim, d_v=dim, every=every)
-    update = rules.gradient_descent("beta", gate_kinds={"lr": step})
+    update = rules.gradient_descent("beta", gate_kinds=recipes.bounded_lr(scale, 0.01 * scale))
     return dataclasses.replace(level, update=update)

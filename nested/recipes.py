@@ -287,9 +287,11 @@ def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
     )
 
 
-def _bounded_lr(scale: float) -> dict[str, Gate]:
-    """Gate kinds whose learning rate lies in (0, scale) (neural memories diverge with lr ~1)."""
-    return {**rules.DEFAULT_GATES, "lr": Gate("unit", init=scale / 2, scale=scale)}
+def bounded_lr(scale: float, init: float | None = None) -> dict[str, Gate]:
+    """Gate kinds whose learning rate lies in (0, scale), starting at ``init`` (default the
+    middle, scale / 2): neural memories and chunked updates diverge with steps ~1."""
+    lr = Gate("unit", init=scale / 2 if init is None else init, scale=scale)
+    return {**rules.DEFAULT_GATES, "lr": lr}
 
 
 def _ttt(name: str, memory, lr_scale: float, every: int, level_kwargs) -> Level:
@@ -297,7 +299,7 @@ def _ttt(name: str, memory, lr_scale: float, every: int, level_kwargs) -> Level:
         name,
         memory=memory,
         objective=objectives.l2,
-        update=rules.gradient_descent("lr", gate_kinds=_bounded_lr(lr_scale)),
+        update=rules.gradient_descent("lr", gate_kinds=bounded_lr(lr_scale)),
         every=every,
         fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
@@ -335,6 +337,7 @@ def titans(
     d_v: int,
     depth: int = 2,
     hidden: int | None = None,
+    every: int = 1,
     lr_scale: float | None = None,
     **level_kwargs,
 ) -> Level:
@@ -344,7 +347,7 @@ def titans(
     chunk, ``lr_scale = 0.1 / C`` (0.1 per token): on text, C = 16 with 0.1 diverges at the
     first step."""
     if lr_scale is None:
-        lr_scale = 0.1 / level_kwargs.get("every", 1)
+        lr_scale = 0.1 / every
     memory = (
         memories.Linear(d_k, d_v)
         if depth == 1
@@ -355,8 +358,9 @@ def titans(
         memory=memory,
         objective=objectives.l2,
         update=rules.gradient_descent(
-            "lr", momentum="momentum", decay="decay", gate_kinds=_bounded_lr(lr_scale)
+            "lr", momentum="momentum", decay="decay", gate_kinds=bounded_lr(lr_scale)
         ),
+        every=every,
         fast=_fast_neural(_titans_op),
         **level_kwargs,
     )
@@ -390,7 +394,7 @@ def atlas(
             momentum="momentum",
             decay="decay",
             ns_steps=ns_steps,
-            gate_kinds=_bounded_lr(0.1),
+            gate_kinds=bounded_lr(0.1),
         ),
         fast=_fast_neural(_atlas_op(ns_steps)),
         **level_kwargs,
