@@ -132,14 +132,14 @@ def main():
             start = time.perf_counter()
             results[label] = measure(op, chunk, length, args.runs, **config)
             print(f"round {r + 1} {label}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-        peers = timing.peer_rows(t, args.runs) if args.peers else None
-        rounds.append((results, peers))
+        rounds.append((results, timing.peer_rows(t, args.runs) if args.peers else None))
     median = lambda values: float(np.median(values))
     stat = lambda label, key: median([res[label][key] for res, _ in rounds])
 
     print(f"\nB={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32, {jax.devices()[0]},", end="")
     print(f" jax {jax.__version__}; 2048^2 matmul: {gflops:.0f} GFLOP/s (JAX)", end="")
-    print(f", {peers['torch_matmul_gflops']:.0f} GFLOP/s (torch)" if args.peers else "")
+    torch_gflops = rounds[-1][1]["torch_matmul_gflops"] if args.peers else None
+    print(f", {torch_gflops:.0f} GFLOP/s (torch)" if args.peers else "")
     if args.rounds > 1:
         print(f"Medians over {args.rounds} rounds (each round measures every row, then the peers).")
     print()
