@@ -94,6 +94,7 @@ CHAR_LM_ROWS = (
     ("ttt_mlp", "ttt_mlp", (), ""),
     ("titans", "titans", (), ""),
     ("titans_mag", "titans_mag", (), ""),
+    ("titans_mac", "titans_mac", (), "segments of 32, Titans in chunks of 16"),
     ("hope", "hope", (), ""),
     ("delta_1layer_200", "delta", ONE_LAYER, "1 layer"),
     ("hope_1layer_200", "hope", ONE_LAYER, "1 layer"),

@@ -9,6 +9,9 @@ Variants: ``configs/char_lm.py:<variant>`` with a variant of ``VARIANTS`` (defau
 
 * ``delta``, ``ttt_linear``, ``ttt_mlp``, ``titans``: the mixer is the memory level alone;
 * ``titans_mag``: Titans memory-as-gate, the memory gating sliding-window attention (32);
+* ``titans_mac``: Titans memory-as-context: segments of 32 tokens attend over 4 persistent
+  tokens, their retrieval from the memory and themselves, then write the memory (in
+  mini-batches of 16); ``--config.model.persistent=8`` sets the persistent tokens;
 * ``hope``: Hope (Nested Learning): a self-modifying Titans memory (mini-batches of 16 tokens)
   whose key, value and query projections are fast memories (``levels.projections``, updated
   every 16 tokens on self-generated targets, owning ``levels.memory``), and a Continuum Memory
@@ -41,6 +44,9 @@ VARIANTS = {
     "ttt_mlp": dict(levels={"memory": dict(rule="ttt_mlp")}),
     "titans": dict(levels={"memory": dict(rule="titans")}),
     "titans_mag": dict(model=dict(mixer="gate", window=32), levels={"memory": dict(rule="titans")}),
+    "titans_mac": dict(
+        model=dict(mixer="context", window=32), levels={"memory": dict(rule="titans", every=16)}
+    ),
     "hope": dict(
         model=dict(
             mixer="self_modifying",

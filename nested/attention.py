@@ -36,6 +36,17 @@ def initial_cache(batch_size: int, window: int | None, heads: int, head_dim: int
     }
 
 
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax attention ``y_t = sum_s softmax_s(q_t . k_s / sqrt(d)) v_s`` over the allowed keys.
+
+    ``q (B, T, H, d)``, ``keys, values (B, S, H, d)``, ``allowed`` a boolean mask broadcasting
+    to ``(B, H, T, S)``; every query needs at least one allowed key. Returns ``(B, T, H, d)``.
+    """
+    scores = jnp.einsum("bthd,bshd->bhts", q, keys) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
+
+
 def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Array, dict]:
     """Causal softmax attention of ``q, k, v (B, T, H, d)`` with RoPE and a sliding window.
 
@@ -43,7 +54,7 @@ def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Arra
     ``window`` is None), including the cached keys of the previous call. Returns
     ``(y (B, T, H, d), cache)``.
     """
-    T, d = q.shape[1], q.shape[-1]
+    T = q.shape[1]
     start = cache["position"]
     positions = start[:, None] + jnp.arange(T)[None]
     q, k = rotary(q, positions), rotary(k, positions)
@@ -55,9 +66,7 @@ def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Arra
     allowed = (offset >= 0) & (key_positions[:, None, :] >= 0)
     if window is not None:
         allowed &= offset < window
-    scores = jnp.einsum("bthd,bshd->bhts", q, keys) / jnp.sqrt(d).astype(q.dtype)
-    scores = jnp.where(allowed[:, None], scores, jnp.finfo(scores.dtype).min)
-    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
+    y = attend(q, keys, values, allowed[:, None])
     new_cache = {
         "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
         "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),

@@ -42,6 +42,7 @@ import optax
 from ml_collections import config_dict
 
 from nested import data, hope, memories, objectives, recipes, windows
+from nested.hybrid import MemoryAsContext
 from nested.layers import MemoryLayer
 from nested.level import Level
 from nested.models import MemoryLM
@@ -180,7 +181,7 @@ def _memory_lm_widths(slot: str, hyper: Mapping[str, Any]) -> tuple[int, int]:
 
 
 MODELS: dict[str, ModelEntry] = {
-    "memory_lm": ModelEntry(MemoryLM, _memory_lm_widths, also=(MemoryLayer,)),
+    "memory_lm": ModelEntry(MemoryLM, _memory_lm_widths, also=(MemoryLayer, MemoryAsContext)),
 }
 
 

@@ -1,9 +1,13 @@
 """Hybrid mixers: a fast-level memory combined with sliding-window attention (Titans).
 
 Behrouz et al. 2025, "Titans: Learning to Memorize at Test Time", use their neural memory in
-three ways; two are here, each a token mixer ``mixer(x, state) -> (y, state)`` with state
-``{"memory": LevelState, "attention": cache}``:
+three ways, each a token mixer ``mixer(x, state) -> (y, state)`` with state
+``{"memory": LevelState, "attention": cache}`` (MAC: ``{"memory": LevelState}``):
 
+* :class:`MemoryAsContext` (MAC): the sequence in segments; each segment retrieves from the
+  memory as it was before the segment, attends over persistent tokens, the retrieved tokens
+  and itself, writes its attention output into the memory and is gated by the memory's read
+  of it (equations in the class);
 * :class:`MemoryAsGate` (MAG): two parallel branches on the same input, sliding-window
   attention ``a = SWA(x)`` (precise, short range) and the memory ``m = M(x)`` (long range),
   combined by a gate, ``y = a * sigmoid(m)``;
@@ -23,10 +27,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nested import inner
-from nested.attention import SlidingWindowAttention, causal_attention, initial_cache
+from nested.attention import (
+    SlidingWindowAttention,
+    attend,
+    causal_attention,
+    initial_cache,
+    rotary,
+)
 from nested.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
 from nested.level import Level
 
@@ -61,6 +72,104 @@ class MemoryAsLayer(_Hybrid):
         m, memory = self.memory(x, state["memory"])
         y, attention = self.attention(x + m, state["attention"])
         return y, {"memory": memory, "attention": attention}
+
+
+class MemoryAsContext(nnx.Module):
+    """Titans MAC: segments of ``window`` tokens read the memory as long-term context.
+
+    For each segment ``x (C, dim)`` of the sequence, with the memory ``M`` as the previous
+    segments left it (Titans section 4.1):
+
+        h = M*(W_Q x)                    retrieval, no write: the memory's read of the queries
+        y = Attn([P ; h ; x])            at the segment's positions; P: ``persistent`` learned
+                                         tokens, visible to every position; token j sees h_i
+                                         and x_i for i <= j only (h_i is a function of x_i)
+        M, m = M(y)                      the memory level writes y (its keys and values of y)
+                                         and reads each token after that token's write
+        out = y * sigmoid(m)
+
+    ``h`` and ``m`` are mapped to the model width by the memory layer's read-out (norm, gate,
+    projection); the retrieval has its own query projection ``W_Q``. Attention is over the
+    segment only (RoPE at positions within the segment; persistent keys carry no position):
+    the long range is the memory's. A last shorter segment takes the rest of the sequence;
+    calls split at multiples of ``window`` continue a stream exactly. The memory's period
+    ``every`` must divide ``window`` so that each segment writes whole update chunks.
+    """
+
+    def __init__(
+        self,
+        level: Level,
+        *,
+        dim: int,
+        heads: int,
+        window: int | None,
+        rngs: nnx.Rngs,
+        persistent: int = 4,
+        **memory_kwargs,
+    ):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(
+                f"memory as context: window={window!r} is the segment length and must be a "
+                "positive number of tokens"
+            )
+        if window % level.every:
+            raise ValueError(
+                f"memory as context: level {level.name!r} updates every={level.every} tokens, "
+                f"which does not divide the segment window={window}; use a window that is a "
+                f"multiple of {level.every}"
+            )
+        if not isinstance(persistent, int) or persistent < 0:
+            raise ValueError(f"memory as context: persistent={persistent!r} must be an int >= 0")
+        self.window = window
+        self.memory = MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
+        self.query = nnx.Linear(dim, heads * level.memory.d_k, use_bias=False, rngs=rngs)
+        self.attention = SlidingWindowAttention(dim=dim, heads=heads, window=None, rngs=rngs)
+        tokens = jax.random.normal(rngs.params(), (persistent, dim), jnp.float32)
+        self.persistent = nnx.Param(tokens * 0.02)
+
+    def initial_state(self, batch_size: int) -> dict:
+        return {"memory": self.memory.initial_state(batch_size)}
+
+    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+        B, T, dim = x.shape
+        whole = T // self.window * self.window
+        memory, outputs = state["memory"], []
+        if whole:
+            segments = x[:, :whole].reshape(B, -1, self.window, dim)
+            memory, y = jax.lax.scan(self._segment, memory, jnp.moveaxis(segments, 1, 0))
+            outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
+        if whole < T:
+            memory, y = self._segment(memory, x[:, whole:])
+            outputs.append(y)
+        return jnp.concatenate(outputs, axis=1), {"memory": memory}
+
+    def _segment(self, memory, x: jax.Array):
+        """One segment ``x (B, C, dim)``: ``(memory, out (B, C, dim))`` (class docstring)."""
+        B, C, dim = x.shape
+        layer, heads = self.memory, self.attention.heads
+        q = self.query(x).reshape(B, C, heads, -1)
+        if layer.normalize_keys:
+            q = l2_normalize(q)
+        q = jnp.repeat(q, layer.experts, axis=2)
+        h = layer.readout(inner.read(layer.level, memory.params, q), x)
+        persistent = self.persistent[...].astype(x.dtype)
+        persistent = jnp.broadcast_to(persistent, (B, *persistent.shape))
+        tokens = jnp.concatenate([persistent, h, x], axis=1)
+        qkv = self.attention.qkv(tokens).reshape(B, tokens.shape[1], 3 * heads, -1)
+        queries, keys, values = jnp.split(qkv, 3, axis=2)
+        n = persistent.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(C), (B, C))
+        rotate = lambda a: rotary(a, positions)
+        queries = rotate(queries[:, n + C :])
+        keys = jnp.concatenate(
+            [keys[:, :n], rotate(keys[:, n : n + C]), rotate(keys[:, n + C :])], axis=1
+        )
+        causal = np.arange(C)[:, None] >= np.arange(C)[None, :]
+        allowed = np.concatenate([np.ones((C, n), bool), causal, causal], axis=1)
+        y = attend(queries, keys, values, allowed[None, None])
+        y = self.attention.out(y.reshape(B, C, -1))
+        m, memory = layer(y, memory)
+        return memory, y * jax.nn.sigmoid(m)
 
 
 class AdaTransformerMixer(nnx.Module):

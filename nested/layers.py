@@ -189,16 +189,21 @@ class MemoryLayer(nnx.Module):
         return routes[:, :, 0], routes[:, :, 1]
 
     def __call__(self, x: jax.Array, state: LevelState) -> tuple[jax.Array, LevelState]:
-        B, T, _ = x.shape
         ctx, cache = self.context(x, state.cache)
         if self.turn is None:
             o, state = inner.run(self.level, state, ctx)
         else:
             o, state = inner.run_turns(self.level, state, ctx, self.turn)
+        return self.readout(o, x), state.replace(cache=cache)
+
+    def readout(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """The reads ``o (B, T, H * experts, d_v)`` of the queries of ``x (B, T, dim)`` mapped to
+        the model width: experts mixed by their read routes, normalised, gated, projected."""
+        B, T, _ = x.shape
         if self.experts > 1:
             _, read = self._routes(x)
             o = jnp.sum(o.reshape(B, T, self.heads, self.experts, -1) * read[..., None], axis=3)
         o = self.norm(o)
         if self.gate_out is not None:
             o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)
-        return self.out(o.reshape(B, T, -1)), state.replace(cache=cache)
+        return self.out(o.reshape(B, T, -1))

@@ -14,7 +14,7 @@ from flax import nnx
 
 from nested.cms import ContinuumMemory
 from nested.hope import SelfModifyingLayer
-from nested.hybrid import AdaTransformerMixer, MemoryAsGate, MemoryAsLayer
+from nested.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
 from nested.layers import MemoryLayer
 from nested.level import Level
 
@@ -31,19 +31,30 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-MIXERS = ("memory", "gate", "layer", "self_modifying", "adatransformer")
+MIXERS = ("memory", "context", "gate", "layer", "self_modifying", "adatransformer")
 
 
 def make_mixer(
     kind: str, level: Level, *, dim: int, heads: int, window: int, rngs: nnx.Rngs, **memory_kwargs
 ) -> nnx.Module:
-    """A token mixer by name: ``"memory"`` (the fast level alone), ``"gate"`` (Titans MAG:
-    memory gating sliding-window attention), ``"layer"`` (Titans MAL: memory, then
-    attention), ``"self_modifying"`` (Hope: the memory's projections are fast memories too;
-    pass ``projections=`` the projection level), ``"adatransformer"`` (attention whose MLP is
-    the memory, seed 001; ``window=None`` for full causal attention)."""
+    """A token mixer by name: ``"memory"`` (the fast level alone), ``"context"`` (Titans MAC:
+    segments of ``window`` tokens attend over persistent tokens and their retrieval from the
+    memory; ``persistent=`` their count), ``"gate"`` (Titans MAG: memory gating
+    sliding-window attention), ``"layer"`` (Titans MAL: memory, then attention),
+    ``"self_modifying"`` (Hope: the memory's projections are fast memories too; pass
+    ``projections=`` the projection level), ``"adatransformer"`` (attention whose MLP is the
+    memory, seed 001; ``window=None`` for full causal attention)."""
+    if kind != "context" and "persistent" in memory_kwargs:
+        raise ValueError(
+            f"persistent={memory_kwargs['persistent']!r} sets the persistent tokens of "
+            f"mixer='context' (Titans MAC); mixer={kind!r} has none"
+        )
     if kind == "memory":
         return MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
+    if kind == "context":
+        return MemoryAsContext(
+            level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs
+        )
     if kind == "gate":
         return MemoryAsGate(level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs)
     if kind == "layer":

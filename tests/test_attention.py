@@ -100,3 +100,115 @@ def test_adatransformer_needs_head_sized_memory():
         AdaTransformerMixer(
             nl.recipes.hebbian(d_k=3, d_v=4), dim=DIM, heads=HEADS, window=None, rngs=nnx.Rngs(0)
         )
+
+
+def mac(window=4, persistent=3, every=2, **kwargs):
+    from nested.hybrid import MemoryAsContext
+
+    level = nl.recipes.titans(d_k=4, d_v=4, hidden=8, every=every)
+    return MemoryAsContext(
+        level,
+        dim=DIM,
+        heads=HEADS,
+        window=window,
+        rngs=nnx.Rngs(0),
+        persistent=persistent,
+        **kwargs,
+    )
+
+
+def mac_by_segments(mixer, x, state):
+    """Titans MAC written from its equations, one segment and one query position at a time:
+    retrieve with the segment-start memory, attend over [P; h_0..h_j; x_0..x_j], write y."""
+    from nested import inner
+
+    B, T, _ = x.shape
+    d = DIM // HEADS
+    memory, persistent, outputs = state["memory"], mixer.persistent[...].astype(x.dtype), []
+    for start in range(0, T, mixer.window):
+        xs = x[:, start : start + mixer.window]
+        C = xs.shape[1]
+        q = l2n(mixer.query(xs).reshape(B, C, HEADS, d))
+        h = mixer.memory.readout(inner.read(mixer.memory.level, memory.params, q), xs)
+        proj = lambda t: jnp.split(mixer.attention.qkv(t).reshape(B, -1, 3 * HEADS, d), 3, axis=2)
+        qp, kp, vp = proj(jnp.broadcast_to(persistent, (B, *persistent.shape)))
+        qh, kh, vh = proj(h)
+        qx, kx, vx = proj(xs)
+        pos = jnp.broadcast_to(jnp.arange(C), (B, C))
+        qx, kh, kx = rotary(qx, pos), rotary(kh, pos), rotary(kx, pos)
+        rows = []
+        for j in range(C):
+            keys = jnp.concatenate([kp, kh[:, : j + 1], kx[:, : j + 1]], axis=1)
+            values = jnp.concatenate([vp, vh[:, : j + 1], vx[:, : j + 1]], axis=1)
+            s = jnp.einsum("bhd,bshd->bhs", qx[:, j], keys) / jnp.sqrt(d)
+            rows.append(jnp.einsum("bhs,bshd->bhd", jax.nn.softmax(s, -1), values))
+        y = mixer.attention.out(jnp.stack(rows, 1).reshape(B, C, DIM))
+        m, memory = mixer.memory(y, memory)
+        outputs.append(y * jax.nn.sigmoid(m))
+    return jnp.concatenate(outputs, 1), {"memory": memory}
+
+
+def l2n(a):
+    return a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)
+
+
+def test_memory_as_context_equals_its_per_segment_definition_values_and_gradients():
+    """11 tokens in segments of 4 (the last one shorter), the Titans memory in chunks of 2."""
+    mixer = mac()
+    x = x_of(11).astype(jnp.float64)
+    state = mixer.initial_state(2)
+    y, final = jax.jit(mixer)(x, state)
+    expected, expected_final = jax.jit(lambda x: mac_by_segments(mixer, x, state))(x)
+    np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
+    for u, w in zip(jax.tree.leaves(final), jax.tree.leaves(expected_final), strict=True):
+        np.testing.assert_allclose(u, w, rtol=1e-9, atol=1e-12)
+    weights = jax.random.normal(jax.random.key(3), y.shape, jnp.float64)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(mixer, x, state)[0] * weights)))(x)
+    np.testing.assert_allclose(
+        grad(lambda m, x, s: m(x, s)), grad(mac_by_segments), rtol=1e-8, atol=1e-12
+    )
+
+
+def test_memory_as_context_is_causal_and_reads_the_memory_across_segments():
+    mixer = mac()
+    x = x_of(11).astype(jnp.float64)
+    state = mixer.initial_state(2)
+    jac = jax.jit(jax.jacobian(lambda x: mixer(x, state)[0][0, :, 0]))(x)[:, 0]  # (T, T, dim)
+    reaches = np.abs(np.asarray(jac)).sum(-1) > 0
+    np.testing.assert_array_equal(reaches, np.tril(np.ones((11, 11), bool)))
+    # token 9 (third segment) depends on token 1 (first) only through the memory: with the
+    # memory's writes switched off (zero step size) that dependence vanishes.
+    no_writes = mac()
+    for proj in no_writes.memory.gates.values():
+        proj.bias.set_value(jnp.full_like(proj.bias[...], -1e3))
+    frozen = jax.jit(jax.grad(lambda x: no_writes(x, state)[0][0, 9, 0]))(x)[0, 1]
+    assert np.abs(np.asarray(jac[9, 1])).sum() > 1e-6
+    np.testing.assert_allclose(frozen, 0.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("memory_kwargs", [{}, {"experts": 2, "write_gate": "lr"}])
+def test_memory_as_context_streams_at_segment_boundaries(memory_kwargs):
+    """Also with Mixture-of-Storage memories: the retrieval reads every expert and routes."""
+    mixer = mac(**memory_kwargs)
+    x = x_of(14)
+    whole, final = mixer(x, mixer.initial_state(2))
+    a, mid = mixer(x[:, :4], mixer.initial_state(2))
+    b, mid = mixer(x[:, 4:12], mid)
+    c, end = mixer(x[:, 12:], mid)
+    np.testing.assert_allclose(jnp.concatenate([a, b, c], 1), whole, rtol=1e-5, atol=1e-6)
+    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_memory_as_context_settings():
+    from nested.models import make_mixer
+
+    with pytest.raises(ValueError, match="every=2 tokens, which does not divide the segment "):
+        mac(window=5)
+    with pytest.raises(ValueError, match="window=None is the segment length"):
+        mac(window=None)
+    with pytest.raises(ValueError, match="persistent=-1 must be an int >= 0"):
+        mac(persistent=-1)
+    level = nl.recipes.delta(d_k=4, d_v=4)
+    with pytest.raises(ValueError, match="persistent tokens of mixer='context'"):
+        make_mixer("gate", level, dim=DIM, heads=HEADS, window=4, rngs=nnx.Rngs(0), persistent=2)

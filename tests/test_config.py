@@ -112,6 +112,22 @@ def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
     assert [level.name for level in block.cms.levels] == list(cms)
 
 
+def test_char_lm_titans_mac_builds_memory_as_context_mixers_from_the_config():
+    from nested.hybrid import MemoryAsContext
+
+    config = nc.load(f"{tiny_configs.path('char_lm')}:titans_mac")
+    config.model.persistent = 6
+    exp = nc.build(config)
+    assert exp.system["memory"].every == 16
+    model = nnx.eval_shape(lambda: exp.system.outer.memory(nnx.Rngs(0)))
+    mixer = model.blocks[0].mixer
+    assert isinstance(mixer, MemoryAsContext) and mixer.window == 32
+    assert mixer.persistent.shape == (6, exp.config.model.dim)
+    config.model.mixer = "gate"
+    with pytest.raises(ValueError, match="persistent tokens of mixer='context'"):
+        nnx.eval_shape(lambda: nc.build(config).system.outer.memory(nnx.Rngs(0)))
+
+
 def test_a_hope_config_builds_the_system_a_hand_written_declaration_does():
     config = nc.load(f"{tiny_configs.path('char_lm')}:hope")
     tiny_configs.override(
