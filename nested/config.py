@@ -598,6 +598,13 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     _required("model", model, fields)
     levels, slots = _make_levels(config, model, entry, task)
     carries_fast = any(level.persist == "stream" for level in levels.values())
+    segment = model.get("window")
+    if model.get("mixer") == "context" and carries_fast and task.seq_len % (segment or 1):
+        raise ConfigError(
+            f"model.window={segment} (the memory-as-context segment) does not divide the "
+            f"sequence length {task.seq_len}: a stream carried across sequences would restart "
+            f"a segment inside each sequence; allowed: {_divisors(task.seq_len)}"
+        )
     train = _check_train(config, carries_fast)
     tx, schedule = _make_optimizer(config, train["steps"])
 

@@ -219,6 +219,15 @@ def test_carried_stream_period_must_divide_the_sequence_length():
     assert message.endswith("allowed: [1, 2, 3, 4, 6, 12]")
 
 
+def test_carried_stream_through_memory_as_context_needs_whole_segments():
+    config = tiny_configs.config("continual", model__mixer="context", model__window=5)
+    message = _error(config)
+    assert message.startswith("model.window=5 (the memory-as-context segment) does not divide")
+    assert message.endswith("allowed: [1, 2, 3, 4, 6, 12]")
+    config.model.window = 6
+    nc.build(config)
+
+
 def test_dim_not_divisible_by_heads():
     message = _error(tiny_configs.config("mqar", model__dim=18, model__heads=4))
     assert message == (
