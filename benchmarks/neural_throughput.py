@@ -5,7 +5,8 @@
 Prints one markdown table. Shapes: B=4, H=4, d_k=d_v=64, depth-2 memory 64 -> 256 -> 64 per
 head, float32. tokens/s = B*T / median seconds after a warm-up call, for the jitted forward
 (loss = sum of outputs) and forward+backward (gradient w.r.t. q, k, v, every gate and the
-initial state). ``bwd/fwd`` is the cost of forward+backward over the forward alone; ``temp MB``
+initial state). ``bwd/fwd`` is the cost of forward+backward over the forward alone, the median
+of ratios of the two timed back to back (the calls alternate); ``temp MB``
 the compiled forward+backward's temporary memory. ``C=1`` rows are the per-token recurrence.
 The 2048^2 float32 matmul rate, measured in the same run, puts the rows in proportion.
 
@@ -98,9 +99,10 @@ def measure(op, chunk, t, runs, **config):
     if not all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves((fwd(x, state), grads))):
         raise SystemExit(f"{op} C={chunk}: non-finite outputs or gradients; timing them is void")
     temp = both.lower(x, state).compile().memory_analysis().temp_size_in_bytes
-    t_fwd = timing.median_seconds(fwd, (x, state), runs)
-    t_both = timing.median_seconds(both, (x, state), runs)
-    return {"fwd": B * t / t_fwd, "fwd_bwd": B * t / t_both, "ratio": t_both / t_fwd, "temp": temp}
+    turns = timing.paired_seconds((fwd, both), (x, state), runs)
+    t_fwd, t_both = (float(np.median(column)) for column in zip(*turns, strict=True))
+    ratio = float(np.median([b / f for f, b in turns]))  # each pair timed back to back
+    return {"fwd": B * t / t_fwd, "fwd_bwd": B * t / t_both, "ratio": ratio, "temp": temp}
 
 
 def main():

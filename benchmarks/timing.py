@@ -28,6 +28,22 @@ def median_seconds(fn, args, runs: int) -> float:
     return statistics.median(times)
 
 
+def paired_seconds(fns, args, runs: int) -> list[tuple[float, ...]]:
+    """Wall seconds of each ``fn(*args)`` of ``fns``, called in turn ``runs`` times after a
+    warm-up call each: one tuple per turn, so ratios between them are taken seconds apart."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    turns = []
+    for _ in range(runs):
+        times = []
+        for fn in fns:
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        turns.append(tuple(times))
+    return turns
+
+
 def matmul_gflops(n: int = 2048) -> float:
     """This machine's float32 ``n x n`` matmul rate in GFLOP/s (``2 n^3`` flops a product)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
