@@ -78,7 +78,7 @@ def test_saves_every_n_steps_and_keeps_the_latest_k(tmp_path, continual):
 # A failed read can leave orbax's other pending reads to die later (the library collects
 # them at once, but it is a race): their "exception ignored" reports are not the test's.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage", ["empty folder", "truncated file"])
+@pytest.mark.parametrize("damage", ["empty folder", "truncated files"])
 def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(
     tmp_path, continual, damage, caplog
 ):
@@ -90,10 +90,11 @@ def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(
     if damage == "empty folder":
         shutil.rmtree(tmp_path / "2")
         (tmp_path / "2").mkdir()
-    else:
-        files = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file()]
-        biggest = max(files, key=lambda p: p.stat().st_size)
-        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    else:  # every data file cut in half: OCDBT may leave files the final tree no longer
+        # references (parallel writes), so cutting one file is not always damage
+        for path in (tmp_path / "2" / "state").rglob("*"):
+            if path.is_file() and path.parent.name == "d":
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with (
         caplog.at_level(logging.WARNING),
         checkpoint.Checkpointer(tmp_path, every=1, keep=3) as ckpt,
@@ -102,7 +103,8 @@ def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(
         assert ckpt.steps() == [1]
     assert restored.step == 1 and restored.data_position == 1
     assert_trees_equal(restored.state, state)
-    reports = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    # (asyncio logs orbax's abandoned reads too; their text holds tmp_path, "...damaged...")
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint")]
     assert len(reports) == 1 and "\n" not in reports[0]
     assert reports[0].startswith("checkpoint step 2 is damaged (")
     assert (tmp_path / "2.damaged").is_dir()
