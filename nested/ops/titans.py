@@ -77,7 +77,9 @@ def titans(
       q, k: (B, T, H, d_k); v: (B, T, H, d_v).
       lr: (B, T, H) step size h_t; momentum: (B, T, H) retention m_t; decay: (B, T, H) a_t.
       state: initial ``TitansState`` (params, momentum S), e.g. ``titans_state(params)``.
-      chunk_size: C; T need not be a multiple of it.
+      chunk_size: C; T need not be a multiple of it. Chunks start at the call's first token:
+        a stream split across calls (state carried) continues exactly when split at
+        multiples of C; a last, partial chunk is applied to the returned state.
       read: "after_write" or "chunk_start" (module docstring).
       activation, residual_norm, norm_eps: the memory network (``nested.ops.mlp_memory``).
     Returns:
