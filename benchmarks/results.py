@@ -99,6 +99,12 @@ CHAR_LM_ROWS = (
     ("delta_1layer_200", "delta", ONE_LAYER, "1 layer"),
     ("hope_1layer_200", "hope", ONE_LAYER, "1 layer"),
     (
+        "hope_first_order",
+        "hope",
+        tuple((f"levels.cms{i}.first_order", True) for i in (1, 2, 3)),
+        "CMS levels first order",
+    ),
+    (
         "titans_every16",
         "titans",
         (("levels.memory.every", 16),),

@@ -81,7 +81,14 @@ SCHEDULE_DEFAULTS = types.MappingProxyType(
 # Level fields a recipe passes through **level_kwargs (the recipe fixes the others), with
 # their config types: a fast level's `every` is an int.
 LEVEL_FIELDS = types.MappingProxyType(
-    {"every": int, "persist": str, "read": str, "truncate": int, "chunk": int}
+    {
+        "every": int,
+        "persist": str,
+        "read": str,
+        "truncate": int,
+        "first_order": bool,
+        "chunk": int,
+    }
 )
 
 # Model keys a rule sets in the layer that owns it (recipes.LAYER_OPTIONS: Falcon's key
@@ -356,7 +363,7 @@ def model_config(name: str, **hyper) -> config_dict.ConfigDict:
 
 def level_config(rule: str, **fields) -> config_dict.ConfigDict:
     """One ``levels`` entry: ``rule``, ``owner``, the recipe's hyperparameters and the level
-    fields it passes on (``persist``, ``read``, ``truncate``, ``chunk``)."""
+    fields it passes on (``persist``, ``read``, ``truncate``, ``first_order``, ``chunk``)."""
     return _section(_level_fields(rule), {"rule": rule, **fields})
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import optax
 from flax import struct
 
+from nested.objectives import Window
 from nested.rules import Gate, UpdateRule, as_rule
 
 PERSIST = ("sequence", "stream")
@@ -64,6 +65,13 @@ class Level:
     ``every=1`` that is the state before the token's own write).
     ``truncate``: if set, gradients of outer levels stop flowing through this level's state
     every ``truncate`` tokens (truncated backpropagation through the inner loop).
+    ``first_order``: for a level learning from the outer objective over its windows (a CMS
+    block, ``objective=objectives.window``): outer levels take its window gradients as
+    constants (first-order meta-learning, as first-order MAML). The outer gradient still flows
+    through the state each update starts from and through everything the model computes with
+    it, not through the window gradient itself, so the outer backward pass skips the backward
+    of each window's backward pass. Forward values are unchanged. (A key-value memory level
+    has none: its keys and values reach the outer loss only through the gradients it writes.)
     ``chunk``: compute chunk in tokens (a multiple of ``every``): the block rematerialised by
     ``jax.checkpoint`` in the generic path, the chunk size of the fast form; ``None`` picks one.
     ``fast``: optional fast form of the same rule (closed form, chunkwise parallel),
@@ -78,6 +86,7 @@ class Level:
     persist: Literal["sequence", "stream"] = "sequence"
     read: Literal["after_write", "chunk_start"] = "after_write"
     truncate: int | None = None
+    first_order: bool = False
     chunk: int | None = None
     fast: Callable[..., Any] | None = None
 
@@ -94,6 +103,14 @@ class Level:
             raise ValueError(f"{where}: persist={self.persist!r}; use one of {PERSIST}")
         if self.read not in READS:
             raise ValueError(f"{where}: read={self.read!r}; use one of {READS}")
+        if not isinstance(self.first_order, bool):
+            raise ValueError(f"{where}: first_order={self.first_order!r} must be True or False")
+        if self.first_order and not isinstance(self.objective, Window):
+            raise ValueError(
+                f"{where}: first_order=True applies to levels that learn from the outer "
+                "objective over windows (objective=nested.objectives.window, e.g. CMS blocks); "
+                "a key-value memory's keys and values would get no outer gradient"
+            )
         if not callable(self.objective):
             raise ValueError(f"{where}: objective must be callable, got {self.objective!r}")
         rule = as_rule(self.update)  # raises on a bad update

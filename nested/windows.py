@@ -17,7 +17,8 @@ So the parameters change exactly at multiples of ``C`` and nowhere else, every g
 period is taken at the same parameters (mini-batch semantics), and token ``t`` is predicted
 with the parameters from before its window was learned (predict, then learn). The outer
 level differentiates through all of it (second order through every window's gradient), so it
-meta-learns the blocks' initial parameters.
+meta-learns the blocks' initial parameters; a ``first_order`` level's window gradients are
+constants to it (no backward of the window's backward pass).
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             seed = jax.grad(lambda lg, o=objective: jnp.sum(o(lg, window)))(logits)
             (memory_grads,) = pullback(seed)
             for n, i in enumerate(index):
-                if levels[leaves[i].level].objective == objective:
-                    grads[n] = memory_grads[n]
+                level = levels[leaves[i].level]
+                if level.objective == objective:
+                    grad = memory_grads[n]
+                    grads[n] = jax.lax.stop_gradient(grad) if level.first_order else grad
         new_leaves, _ = jax.tree.flatten(new_fast, is_leaf=lambda x: isinstance(x, LevelState))
         for n, i in enumerate(index):
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny_configs
 from flax import nnx
 
 import nested as nl
+from nested import config as nc
 from nested.cms import ContinuumMemory
 from nested.models import MemoryLM
 
@@ -123,6 +125,68 @@ def test_meta_gradients_reach_every_level_and_equal_finite_differences():
 
             fd = (loss(moved(eps)) - loss(moved(-eps))) / (2 * eps)
             np.testing.assert_allclose(grads[j][layer]["w"][index], fd, rtol=1e-6, atol=1e-10)
+
+
+def test_first_order_levels_take_their_window_gradients_as_constants():
+    """Two windows of one level, written out: theta_1 = theta_0 - lr g / C with g the first
+    window's gradient; the outer loss is the mean token loss of both windows. Exact: g
+    depends on theta_0 (second order); first order: g is a constant."""
+    C, lr = 4, 0.5
+    batch = data(2 * C)
+    windows = [jax.tree.map(lambda x, i=i: x[:, i * C : (i + 1) * C], batch) for i in range(2)]
+    grads = {}
+    for first_order in (False, True):
+        level = dataclasses.replace(cms_levels((C,), lr=lr)[0], first_order=first_order)
+        prog = program([level])
+        params = jax.tree.map(lambda p: p.astype(jnp.float64), prog.init(jax.random.key(0)).params)
+        theta0 = params["blocks"][0]["cms"]["initial_params"][0].get_value()
+
+        def with_theta(theta, params=params):
+            p = jax.tree.map(lambda a: a, params)
+            p["blocks"][0]["cms"]["initial_params"][0].set_value(theta)
+            return p
+
+        def library(theta, prog=prog, with_theta=with_theta):
+            return prog.loss(with_theta(theta), batch)[0]
+
+        def written_out(theta, stop, prog=prog, with_theta=with_theta):
+            p = with_theta(theta)
+            model, start = prog.model(p), prog.start_fast(p, 2)
+
+            def window_loss(theta_b, fast, window):
+                fast = (dict(fast[0], cms=(fast[0]["cms"][0].replace(params=theta_b),)),)
+                logits, fast = model(window["inputs"], fast)
+                return jnp.sum(nl.objectives.token_cross_entropy(logits, window)), fast
+
+            theta_b = start[0]["cms"][0].params  # theta0 for each sequence
+            first, fast = window_loss(theta_b, start, windows[0])
+            g = jax.grad(lambda t: window_loss(t, start, windows[0])[0])(theta_b)
+            g = jax.lax.stop_gradient(g) if stop else g
+            theta_1 = jax.tree.map(lambda t, g: t - lr * g / C, theta_b, g)
+            second, _ = window_loss(theta_1, fast, windows[1])
+            return (first + second) / (2 * 2 * C)
+
+        got = jax.jit(jax.grad(library))(theta0)
+        expected = jax.jit(jax.grad(lambda t, w=written_out, s=first_order: w(t, s)))(theta0)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+        grads[first_order] = got
+    difference = max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+        for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True)
+    )
+    assert difference > 1e-3  # the second-order term is there, and first order drops it
+
+
+def test_first_order_is_for_window_levels_and_a_config_key():
+    with pytest.raises(ValueError, match="first_order=True applies to levels that learn from"):
+        nl.recipes.delta(d_k=4, d_v=4, first_order=True)
+    with pytest.raises(ValueError, match="first_order=1 must be True or False"):
+        dataclasses.replace(cms_levels((2,))[0], first_order=1)
+    config = nc.load(f"{tiny_configs.path('char_lm')}:hope")
+    config.levels.cms2.first_order = True
+    levels = nc.build(config).system
+    assert [levels[f"cms{i}"].first_order for i in (1, 2, 3)] == [False, True, False]
 
 
 def test_sequence_length_must_be_a_multiple_of_the_window():
