@@ -40,29 +40,28 @@ def test_attention_equals_the_per_position_definition(window):
     np.testing.assert_allclose(y, naive(attn, x, window), rtol=1e-5, atol=1e-6)
 
 
+def assert_streams(layer, x, cuts):
+    """``layer`` over ``x`` in pieces cut at ``cuts``, state carried, equals one call."""
+    whole, final = layer(x, layer.initial_state(x.shape[0]))
+    state, pieces = layer.initial_state(x.shape[0]), []
+    for start, stop in zip((0, *cuts), (*cuts, x.shape[1]), strict=True):
+        y, state = layer(x[:, start:stop], state)
+        pieces.append(y)
+    np.testing.assert_allclose(jnp.concatenate(pieces, 1), whole, rtol=1e-5, atol=1e-6)
+    for u, w in zip(jax.tree.leaves(state), jax.tree.leaves(final), strict=True):
+        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+
+
 def test_sliding_window_streams():
     attn = SlidingWindowAttention(dim=DIM, heads=HEADS, window=4, rngs=nnx.Rngs(0))
-    x = x_of(11)
-    whole, final = attn(x, attn.initial_state(2))
-    a, mid = attn(x[:, :5], attn.initial_state(2))
-    b, mid = attn(x[:, 5:6], mid)
-    c, end = attn(x[:, 6:], mid)
-    np.testing.assert_allclose(jnp.concatenate([a, b, c], 1), whole, rtol=1e-5, atol=1e-6)
-    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-6)
+    assert_streams(attn, x_of(11), (5, 6))
 
 
 @pytest.mark.parametrize("mixer_class", [MemoryAsGate, MemoryAsLayer])
 def test_hybrid_mixers_stream(mixer_class):
     level = nl.recipes.delta(d_k=4, d_v=4)
     mixer = mixer_class(level, dim=DIM, heads=HEADS, window=3, rngs=nnx.Rngs(0))
-    x = x_of(10)
-    whole, final = mixer(x, mixer.initial_state(2))
-    a, mid = mixer(x[:, :4], mixer.initial_state(2))
-    b, end = mixer(x[:, 4:], mid)
-    np.testing.assert_allclose(jnp.concatenate([a, b], 1), whole, rtol=1e-5, atol=1e-6)
-    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+    assert_streams(mixer, x_of(10), (4,))
 
 
 def test_bad_attention_settings():
@@ -189,15 +188,7 @@ def test_memory_as_context_is_causal_and_reads_the_memory_across_segments():
 @pytest.mark.parametrize("memory_kwargs", [{}, {"experts": 2, "write_gate": "lr"}])
 def test_memory_as_context_streams_at_segment_boundaries(memory_kwargs):
     """Also with Mixture-of-Storage memories: the retrieval reads every expert and routes."""
-    mixer = mac(**memory_kwargs)
-    x = x_of(14)
-    whole, final = mixer(x, mixer.initial_state(2))
-    a, mid = mixer(x[:, :4], mixer.initial_state(2))
-    b, mid = mixer(x[:, 4:12], mid)
-    c, end = mixer(x[:, 12:], mid)
-    np.testing.assert_allclose(jnp.concatenate([a, b, c], 1), whole, rtol=1e-5, atol=1e-6)
-    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+    assert_streams(mac(**memory_kwargs), x_of(14), (4, 12))
 
 
 def test_bad_memory_as_context_settings():
