@@ -473,3 +473,81 @@ def test_bad_inputs_raise():
         )
     with pytest.raises(ValueError, match="muon_steps"):
         ops.atlas(q, k, v, lr, lr, lr, lr, state=state, muon_steps=-1)
+
+
+STREAM_OPS = {  # op, its positional inputs, its state keyword, extra keywords
+    "ttt_mlp": (ops.ttt_mlp, ("q", "k", "v", "lr"), "params", {}),
+    "ttt_linear": (ops.ttt_linear, ("q", "k", "v", "lr"), "initial_state", {}),
+    "titans": (ops.titans, ("q", "k", "v", "lr", "momentum", "decay"), "state", {}),
+    "titans_chunk_start": (
+        ops.titans,
+        ("q", "k", "v", "lr", "momentum", "decay"),
+        "state",
+        {"read": "chunk_start"},
+    ),
+    "atlas_muon": (
+        ops.atlas,
+        ("q", "k", "v", "lr", "momentum", "decay", "gates"),
+        "state",
+        {"window": 3, "muon_steps": 2},
+    ),
+}
+
+
+def stream_state(name):
+    params = make_params()
+    if name == "ttt_linear":
+        return make_params(hidden=(), bias=False)[0]["w"]
+    if name == "ttt_mlp":
+        return params
+    if name.startswith("titans"):
+        return ops.titans_state(params, small(params, 3))
+    return ops.atlas_state(params, window=3, d_k=DK, momentum=small(params, 3))
+
+
+@pytest.mark.parametrize(
+    ("name", "length", "cuts"),
+    [(name, 11, (3, 6)) for name in STREAM_OPS] + [("titans", 7, tuple(range(1, 7)))],
+)
+def test_a_stream_cut_inside_chunks_equals_one_call(name, length, cuts):
+    """Pieces through ops.stream (chunks of 4; cuts inside chunks, a piece across a boundary;
+    token by token for Titans): outputs, the final state (pending tokens applied) and input
+    gradients equal one call."""
+    op, names, state_name, kwargs = STREAM_OPS[name]
+    x, state = make_inputs(length), stream_state(name)
+    call = lambda *a, s: op(*a, chunk_size=4, **{state_name: s}, **kwargs)
+
+    def whole(x):
+        return call(*(x[n] for n in names), s=state)
+
+    def pieces(x):
+        s, pending, outputs = state, None, []
+        for lo, hi in zip((0, *cuts), (*cuts, length), strict=True):
+            o, s, pending = ops.stream(
+                op,
+                *(x[n][:, lo:hi] for n in names),
+                pending=pending,
+                chunk_size=4,
+                **{state_name: s},
+                **kwargs,
+            )
+            outputs.append(o)
+        final = s if pending is None else call(*pending, s=s)[1]
+        return jnp.concatenate(outputs, axis=1), final
+
+    (o, final), (o_stream, final_stream) = jax.jit(whole)(x), jax.jit(pieces)(x)
+    assert_tree_close(o_stream, o)
+    assert_tree_close(final_stream, final)
+    weights = normal(9, o.shape)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x)[0] * weights)))(x)
+    assert_tree_close(grad(pieces), grad(whole))
+
+
+def test_stream_needs_one_state_and_matching_pending():
+    x = make_inputs(5)
+    args = (x["q"], x["k"], x["v"], x["lr"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        ops.stream(ops.ttt_mlp, *args, chunk_size=4)
+    _, params, pending = ops.stream(ops.ttt_mlp, *args, chunk_size=4, params=make_params())
+    with pytest.raises(ValueError, match="pending holds 4 arrays but 3 inputs"):
+        ops.stream(ops.ttt_mlp, *args[:3], pending=pending, chunk_size=4, params=params)

@@ -4,7 +4,7 @@ Type I (linear associative memories, value-by-key state ``(B, H, d_v, d_k)``, ch
 parallel and exact for every chunk size): ``linear_attention``, ``delta_rule``,
 ``gated_delta_rule``, ``falcon``, ``gdn2``, and mini-batch ``ttt_linear``.
 Type II (MLP memories, parameters as a tuple of layers with leading ``(B, H)``): ``ttt_mlp``,
-``titans``, ``atlas``.
+``titans``, ``atlas``. ``stream`` runs a stream of the mini-batch ops cut anywhere.
 """
 
 from nested.ops.atlas import AtlasState, atlas, atlas_state, newton_schulz, polynomial_features
@@ -12,6 +12,7 @@ from nested.ops.delta import delta_rule, gated_delta_rule, linear_attention
 from nested.ops.falcon import falcon
 from nested.ops.gdn2 import gdn2
 from nested.ops.mlp_memory import MemoryForm, init_mlp_memory, mlp_apply
+from nested.ops.stream import stream
 from nested.ops.titans import TitansState, titans, titans_state
 from nested.ops.ttt_linear import ttt_linear
 from nested.ops.ttt_mlp import ttt_mlp
@@ -31,6 +32,7 @@ __all__ = [
     "mlp_apply",
     "newton_schulz",
     "polynomial_features",
+    "stream",
     "titans",
     "titans_state",
     "ttt_linear",

@@ -129,7 +129,7 @@ def atlas(
         is phi's output dim.
       window: Omega window c >= 1. feature_map: phi on the last axis, or None.
       chunk_size: C, as in ``titans`` (chunks start at the call's first token; a stream split
-        across calls continues exactly at multiples of C).
+        across calls continues exactly at multiples of C; ``nested.ops.stream`` cuts anywhere).
       muon_steps: Newton-Schulz iterations K (0: plain momentum).
       read: "after_write" (o_t = f_{theta_t}(phi(q_t))) or "chunk_start" (theta at the start of
         t's chunk), as in ``titans``.

@@ -79,7 +79,8 @@ def titans(
       state: initial ``TitansState`` (params, momentum S), e.g. ``titans_state(params)``.
       chunk_size: C; T need not be a multiple of it. Chunks start at the call's first token:
         a stream split across calls (state carried) continues exactly when split at
-        multiples of C; a last, partial chunk is applied to the returned state.
+        multiples of C; a last, partial chunk is applied to the returned state
+        (``nested.ops.stream`` cuts a stream anywhere).
       read: "after_write" or "chunk_start" (module docstring).
       activation, residual_norm, norm_eps: the memory network (``nested.ops.mlp_memory``).
     Returns:

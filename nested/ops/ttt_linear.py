@@ -30,7 +30,8 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
       initial_state: ``(B, H, d_v, d_k)`` starting weights ``W_0`` (usually learned); ``None``
         means zeros.
       chunk_size: mini-batch size ``b`` (semantic; mini-batches start at the call's first
-        token, so a stream split across calls continues exactly at multiples of ``b``).
+        token, so a stream split across calls continues exactly at multiples of ``b``;
+        ``nested.ops.stream`` cuts a stream anywhere).
       scale: read scale.
 
     Returns:

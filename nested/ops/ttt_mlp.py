@@ -43,7 +43,8 @@ def ttt_mlp(
       params: initial memory (tuple of layers with leading (B, H); ``init_mlp_memory``).
       chunk_size: mini-batch size C; T need not be a multiple of it. Mini-batches start at the
         call's first token: a stream split across calls continues exactly when split at
-        multiples of C; a last, partial mini-batch is applied to the returned state.
+        multiples of C; a last, partial mini-batch is applied to the returned state
+        (``nested.ops.stream`` cuts a stream anywhere).
       activation: hidden activation name (``mlp_memory.ACTIVATIONS``) or callable.
       residual_norm: use f(x) = x + LN(MLP(x)) (needs d_k == d_v).
     Returns:
