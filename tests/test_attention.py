@@ -42,10 +42,11 @@ def test_attention_equals_the_per_position_definition(window):
 
 def assert_streams(layer, x, cuts):
     """``layer`` over ``x`` in pieces cut at ``cuts``, state carried, equals one call."""
-    whole, final = layer(x, layer.initial_state(x.shape[0]))
+    call = jax.jit(lambda x, state: layer(x, state))
+    whole, final = call(x, layer.initial_state(x.shape[0]))
     state, pieces = layer.initial_state(x.shape[0]), []
     for start, stop in zip((0, *cuts), (*cuts, x.shape[1]), strict=True):
-        y, state = layer(x[:, start:stop], state)
+        y, state = call(x[:, start:stop], state)
         pieces.append(y)
     np.testing.assert_allclose(jnp.concatenate(pieces, 1), whole, rtol=1e-5, atol=1e-6)
     for u, w in zip(jax.tree.leaves(state), jax.tree.leaves(final), strict=True):
