@@ -41,7 +41,7 @@ class ContinuumMemory(nnx.Module):
 
     def __init__(self, levels: Sequence[Level], *, dim: int, rngs: nnx.Rngs):
         for level in levels:
-            if not windows.is_window_level(level):
+            if not level.is_window:
                 raise ValueError(
                     f"level {level.name!r}: a CMS block learns from the outer loss over its "
                     f"window; use objective=nested.objectives.window"

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import optax
 from ml_collections import config_dict
 
-from nested import data, hope, memories, objectives, recipes, windows
+from nested import data, hope, memories, objectives, recipes
 from nested.hybrid import MemoryAsContext
 from nested.layers import MemoryLayer
 from nested.level import Level
@@ -491,7 +491,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
         _required(key, values, fields)
         values = {k: v for k, v in values.items() if v is not None}
         level = _wrapped(key, _recipes()[rule], name, **values)
-        if windows.is_window_level(level) and task.seq_len % level.every:
+        if level.is_window and task.seq_len % level.every:
             raise ConfigError(
                 f"{key}.every={level.every} does not divide the task's sequence length "
                 f"{task.seq_len} (the model runs window by window); allowed: "

@@ -105,7 +105,7 @@ class Level:
             raise ValueError(f"{where}: read={self.read!r}; use one of {READS}")
         if not isinstance(self.first_order, bool):
             raise ValueError(f"{where}: first_order={self.first_order!r} must be True or False")
-        if self.first_order and not isinstance(self.objective, Window):
+        if self.first_order and not self.is_window:
             raise ValueError(
                 f"{where}: first_order=True applies to levels that learn from the outer "
                 "objective over windows (objective=nested.objectives.window, e.g. CMS blocks); "
@@ -144,6 +144,12 @@ class Level:
     @property
     def is_outer(self) -> bool:
         return self.every == "step"
+
+    @property
+    def is_window(self) -> bool:
+        """Whether the level learns from the outer objective over its windows (a model-level
+        memory such as a CMS block, :mod:`nested.windows`) rather than from a local loss."""
+        return isinstance(self.objective, Window)
 
     @property
     def rule(self) -> UpdateRule:

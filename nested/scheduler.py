@@ -92,9 +92,7 @@ class Program:
             )
         self.outer = outer
         self.tx = outer.update
-        self.window_levels = {
-            level.name: level for level in system.fast_levels if windows.is_window_level(level)
-        }
+        self.window_levels = {level.name: level for level in system.fast_levels if level.is_window}
 
     # -- building blocks ------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from nested.level import Level
-from nested.objectives import Window
 
 
 class NestedSystem:
@@ -55,7 +54,7 @@ class NestedSystem:
                     f"naming the slower level that produces its context"
                 )
             self._check_chain(level.name, owners, by_name)
-            if isinstance(level.objective, Window) and level.gates:
+            if level.is_window and level.gates:
                 raise ValueError(
                     f"level {level.name!r}: a level learning from the outer loss over its window "
                     f"gets no per-token gates; its update must use constants, not "
@@ -75,7 +74,7 @@ class NestedSystem:
                     f"level {slowest[0]!r}: every={slow} is not a multiple of the faster period "
                     f"{fast}; the periods of a nested system must divide one another"
                 )
-        windows = [level for level in levels if isinstance(level.objective, Window)]
+        windows = [level for level in levels if level.is_window]
         if windows:
             window = min(windows, key=lambda level: level.every)
             for level in levels:

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import optax
 
 from nested.level import Level, LevelState
-from nested.objectives import Window
 
 
 class WindowCache(NamedTuple):
@@ -38,10 +37,6 @@ class WindowCache(NamedTuple):
 
     accum: Any
     tick: jax.Array
-
-
-def is_window_level(level: Level) -> bool:
-    return isinstance(level.objective, Window)
 
 
 def initial_state(level: Level, params: Any) -> LevelState:
