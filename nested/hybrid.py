@@ -25,6 +25,8 @@ a meta-learned initial state ``M_0``: the MLP weight moves from the outer level 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,43 +134,44 @@ class MemoryAsContext(nnx.Module):
 
     def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
         B, T, dim = x.shape
+        # The persistent tokens' keys and values are the same in every segment.
+        persistent = self.persistent[...].astype(x.dtype)
+        _, keys, values = self._qkv(jnp.broadcast_to(persistent, (B, *persistent.shape)))
+        segment = partial(self._segment, persistent=(keys, values))
         whole = T // self.window * self.window
         memory, outputs = state["memory"], []
         if whole:
             segments = x[:, :whole].reshape(B, -1, self.window, dim)
-            memory, y = jax.lax.scan(self._segment, memory, jnp.moveaxis(segments, 1, 0))
+            memory, y = jax.lax.scan(segment, memory, jnp.moveaxis(segments, 1, 0))
             outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
         if whole < T:
-            memory, y = self._segment(memory, x[:, whole:])
+            memory, y = segment(memory, x[:, whole:])
             outputs.append(y)
         return jnp.concatenate(outputs, axis=1), {"memory": memory}
 
-    def _segment(self, memory, x: jax.Array):
-        """One segment ``x (B, C, dim)``: ``(memory, out (B, C, dim))`` (class docstring)."""
-        B, C, dim = x.shape
-        layer, heads = self.memory, self.attention.heads
-        q = self.query(x).reshape(B, C, heads, -1)
-        if layer.normalize_keys:
-            q = l2_normalize(q)
-        q = jnp.repeat(q, layer.experts, axis=2)
-        h = layer.readout(inner.read(layer.level, memory.params, q), x)
-        persistent = self.persistent[...].astype(x.dtype)
-        persistent = jnp.broadcast_to(persistent, (B, *persistent.shape))
-        tokens = jnp.concatenate([persistent, h, x], axis=1)
-        qkv = self.attention.qkv(tokens).reshape(B, tokens.shape[1], 3 * heads, -1)
-        queries, keys, values = jnp.split(qkv, 3, axis=2)
-        n = persistent.shape[1]
-        positions = jnp.broadcast_to(jnp.arange(C), (B, C))
-        rotate = lambda a: rotary(a, positions)
-        queries = rotate(queries[:, n + C :])
-        keys = jnp.concatenate(
-            [keys[:, :n], rotate(keys[:, n : n + C]), rotate(keys[:, n + C :])], axis=1
-        )
+    def _qkv(self, tokens: jax.Array) -> list[jax.Array]:
+        """Attention queries, keys, values of ``tokens (B, N, dim)``, each ``(B, N, H, d)``."""
+        B, N, _ = tokens.shape
+        qkv = self.attention.qkv(tokens).reshape(B, N, 3 * self.attention.heads, -1)
+        return jnp.split(qkv, 3, axis=2)
+
+    def _segment(self, memory, x: jax.Array, *, persistent):
+        """One segment ``x (B, C, dim)``: ``(memory, out (B, C, dim))`` (class docstring);
+        ``persistent``: the persistent tokens' keys and values, ``(B, n, H, d)`` each."""
+        B, C, _ = x.shape
+        q = self.query(x).reshape(B, C, self.attention.heads, -1)
+        h = self.memory.retrieve(memory.params, q, x)
+        rotate = lambda a: rotary(a, jnp.broadcast_to(jnp.arange(C), (B, C)))
+        _, keys_h, values_h = self._qkv(h)
+        queries, keys_x, values_x = self._qkv(x)
+        keys = jnp.concatenate([persistent[0], rotate(keys_h), rotate(keys_x)], axis=1)
+        values = jnp.concatenate([persistent[1], values_h, values_x], axis=1)
         causal = np.arange(C)[:, None] >= np.arange(C)[None, :]
-        allowed = np.concatenate([np.ones((C, n), bool), causal, causal], axis=1)
-        y = attend(queries, keys, values, allowed[None, None])
+        visible = np.ones((C, persistent[0].shape[1]), bool)
+        allowed = np.concatenate([visible, causal, causal], axis=1)
+        y = attend(rotate(queries), keys, values, allowed[None, None])
         y = self.attention.out(y.reshape(B, C, -1))
-        m, memory = layer(y, memory)
+        m, memory = self.memory(y, memory)
         return memory, y * jax.nn.sigmoid(m)
 
 

@@ -196,6 +196,15 @@ class MemoryLayer(nnx.Module):
             o, state = inner.run_turns(self.level, state, ctx, self.turn)
         return self.readout(o, x), state.replace(cache=cache)
 
+    def retrieve(self, params, q: jax.Array, x: jax.Array) -> jax.Array:
+        """Read the memories ``params`` without writing: queries ``q (B, T, H, d_k)`` of ``x
+        (B, T, dim)``, normalised as the layer's own and shared by a head's experts, read and
+        mapped to the model width by :meth:`readout`."""
+        if self.normalize_keys:
+            q = l2_normalize(q)
+        q = jnp.repeat(q, self.experts, axis=2)
+        return self.readout(inner.read(self.level, params, q), x)
+
     def readout(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """The reads ``o (B, T, H * experts, d_v)`` of the queries of ``x (B, T, dim)`` mapped to
         the model width: experts mixed by their read routes, normalised, gated, projected."""
