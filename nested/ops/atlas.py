@@ -174,12 +174,14 @@ def atlas(
         "gate": gates,
     }
     prefix = {"k": phi(state.keys), "v": state.values, "gate": state.gates} if window > 1 else None
+    carry = (tuple(state.params), tuple(state.momentum), prefix)
     if muon_steps:
         step = partial(_muon_step, form=form, read=read, window=window, steps=muon_steps)
+        o, (params, mom, _) = nc.scan_chunks(step, carry, seq, chunk_size=chunk_size)
     else:
-        step = partial(nc.linear_rule_step, form=form, read=read, window=window)
-    carry = (tuple(state.params), tuple(state.momentum), prefix)
-    o, (params, mom, _) = nc.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+        o, (params, mom, _) = nc.scan_rule(
+            carry, seq, chunk_size=chunk_size, form=form, read=read, window=window
+        )
     # The buffer for the next call: the last c - 1 samples (raw keys) of old buffer + sequence.
     tail = lambda old, new: jnp.concatenate([old, jnp.moveaxis(new, 1, 2)], axis=2)[
         :, :, old.shape[2] + new.shape[1] - (window - 1) :

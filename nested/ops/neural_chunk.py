@@ -21,6 +21,13 @@ Lambda = D^m diag(u) band, Gamma = D^alpha diag(w) Lambda, c = D^alpha (w P): (C
 from cumulative products (exact with zero gates), never a per-token loop. The output reads
 theta_t through the dual form (``mlp_memory.dual_read``) or reads theta_s (chunk-start reads).
 
+The online rule (chunk size 1: token t's gradient at theta_{t-1}) keeps these coefficients: the
+gradients are still rank-one per sample, only taken at different states. It runs in blocks of
+ONLINE_BLOCK tokens: inside a block a scan over tokens computes each token's gradient factors
+at theta_{t-1} = A_{t-1} theta_s + c_{t-1} S_s - sum_{i<t} Gamma_{t-1,i} grad l_i in dual form
+(``online_factors``; matrix-vector products with the block-start state, never a per-token
+state), then the block's reads and its end state are formed as for a chunk.
+
 Sequences of any length are padded with inert tokens (m = alpha = 1, u = w = 0, gate 0, zero
 inputs) that leave (theta, S) unchanged, then sliced; the chunk loop is a ``lax.scan`` whose body
 is rematerialised (``jax.checkpoint``) so the backward stores only chunk-boundary states.
@@ -28,6 +35,7 @@ is rematerialised (``jax.checkpoint``) so the backward stores only chunk-boundar
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +47,8 @@ Array = jax.Array
 
 # Up to this many chunks the backward stores every chunk's state; beyond, segments of chunks.
 FLAT_CHUNKS = 64
+# Tokens per scan step of the online rule (chunk size 1): the state is formed once a block.
+ONLINE_BLOCK = 16
 # Padding values that make a token a no-op of the rule above; absent names pad with 0.
 INERT = {"keep": 1.0, "mom": 1.0}
 READS = ("after_write", "chunk_start")
@@ -176,19 +186,78 @@ def next_state(params, momentum, base, carry, mom_base, gamma, lam, inputs, delt
     return new_params, jax.tree.map(lambda s, g: scale(mom_base, s) + g, momentum, steps)
 
 
-def linear_rule_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int):
+def previous(x: Array, first: float, axis: int) -> Array:
+    """Coefficient rows shifted down one token along ``axis``: row t holds row t - 1 of ``x``
+    (the state before token t), row 0 the chunk-start value ``first``."""
+    x = jnp.moveaxis(x, axis, -1)
+    shifted = jnp.concatenate([jnp.full_like(x[..., :1], first), x[..., :-1]], axis=-1)
+    return jnp.moveaxis(shifted, -1, axis)
+
+
+def online_factors(params, momentum, prev, k: Array, v: Array, form: mm.MemoryForm, window: int):
+    """Gradient factors of the online rule over one block: token t's gradient is taken at
+    theta_{t-1}, which is in dual form over the block's earlier tokens (never formed).
+
+    Args:
+      prev: (A, c, Gamma) of theta_{t-1} (A (B, H, C), c (B, H, C) or None, Gamma
+        (B, H, C, C * window), column j * window + s the s-th sample of token j).
+      k, v: (B, H, window - 1 + C, d) samples: token t's window is rows t .. t + window - 1.
+    Returns:
+      ``(inputs, deltas)`` as from ``sample_grads``, C * window rows, token by token.
+    """
+    base, carry, gamma = prev
+    n = gamma.shape[-1]
+    empty = lambda d: jnp.zeros((*gamma.shape[:2], n, d), k.dtype)
+    factors = (
+        tuple(empty(layer["w"].shape[-1]) for layer in params),
+        tuple(empty(layer["w"].shape[-2]) for layer in params),
+    )
+
+    def token(factors, t):
+        row = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, t, 1, axis=2)
+        samples = lambda x: jax.lax.dynamic_slice_in_dim(x, t, window, axis=2)
+        linear = mm.dual_linear(params, momentum, row(base), row(carry), row(gamma), *factors)
+        new = mm.sample_grads(params, samples(k), samples(v), form, linear)
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, t * window, axis=2)
+        return tuple(tuple(map(put, *pair)) for pair in zip(factors, new, strict=True)), None
+
+    factors, _ = jax.lax.scan(token, factors, jnp.arange(base.shape[-1]))
+    return factors
+
+
+def linear_rule_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int, online: bool):
     """One chunk of the rule for linear-in-gradient updates (TTT-MLP, Titans, ATLAS w/o Muon).
 
+    Mini-batch (``online=False``): every gradient at the chunk-start state. Online: token t's
+    gradient at theta_{t-1} (``online_factors``), so the chunk is only a block of the scan.
     carry: (params, momentum or None, prefix or None); xs: per-chunk (B, H, C, ...) arrays.
     Returns (carry, o (B, H, C, d_out))."""
     params, momentum, prefix = carry
     k, v, band, prefix = window_samples(prefix, xs, window)
-    inputs, deltas = mm.sample_grads(params, k, v, form)
-    coef = coefficients(xs, band)
+    coef = coefficients(xs, None if online else band)
     carry_c, gamma = theta_coefficients(coef, xs.get("step_out"))
-    base = coef["base"]
+    base, lam = coef["base"], coef["lam"]
+    if online:
+        # per-token coefficients times each token's sample gates: columns (token, sample)
+        c = base.shape[-1]
+        rows, cols = np.arange(c)[:, None], np.arange(c)[:, None] + np.arange(window)
+        gates = None if band is None else band[:, :, rows, cols]  # (B, H, C, window)
+        spread = lambda m: (
+            m if gates is None else (m[..., None] * gates[:, :, None]).reshape(*m.shape[:-1], -1)
+        )
+        before = (
+            previous(base, 1.0, -1),
+            None if carry_c is None else previous(carry_c, 0.0, -1),
+            spread(previous(gamma, 0.0, -2)),
+        )
+        gamma, lam = spread(gamma), spread(lam)
+        inputs, deltas = online_factors(params, momentum, before, k, v, form, window)
+    else:
+        inputs, deltas = mm.sample_grads(params, k, v, form)
     if read == "after_write":
         o = mm.dual_read(params, momentum, base, carry_c, gamma, xs["q"], inputs, deltas, form)
+    elif online:  # theta_{t-1}
+        o = mm.dual_read(params, momentum, *before, xs["q"], inputs, deltas, form)
     else:
         o = mm.mlp_apply(params, xs["q"], form)
     last = lambda x: None if x is None else x[..., -1]
@@ -199,11 +268,19 @@ def linear_rule_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int):
         last(carry_c),
         last(coef["mom_base"]),
         gamma[..., -1, :],
-        coef["lam"][..., -1, :],
+        lam[..., -1, :],
         inputs,
         deltas,
     )
     return (new_params, momentum, prefix), o
+
+
+def scan_rule(carry, seq: dict[str, Array], *, chunk_size: int, form, read: str, window: int):
+    """``linear_rule_step`` over a sequence (``scan_chunks``): mini-batches of ``chunk_size``, or
+    for ``chunk_size=1`` the online rule, ONLINE_BLOCK tokens a scan step."""
+    online = chunk_size == 1
+    step = partial(linear_rule_step, form=form, read=read, window=window, online=online)
+    return scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online else chunk_size)
 
 
 def segment_size(n_chunks: int) -> int:
@@ -218,8 +295,8 @@ def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int
     and handed to ``step`` as (B, H, C, ...) chunks. Returns (o (B, T, H, d), carry).
 
     Each chunk is rematerialised, so the backward keeps one (theta, S) per chunk. Beyond
-    FLAT_CHUNKS chunks (e.g. the per-token form, C = 1) that state count is cut to about
-    2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward pass.
+    FLAT_CHUNKS chunks (e.g. online sequences beyond 1024 tokens) that state count is cut to
+    about 2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward.
     """
     batch, length = next(iter(seq.values())).shape[:2]
     n_chunks = -(-length // chunk_size)

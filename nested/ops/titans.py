@@ -17,7 +17,6 @@ recurrences over the chunk, computed in parallel (``nested.ops.neural_chunk``). 
   titans-pytorch retrieves. With chunk_size=1 this reads theta_{t-1}, before t's write.
 """
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -96,6 +95,7 @@ def titans(
     seq = {"q": q, "k": k, "v": v, "step_in": lr, "mom": momentum, "keep": 1 - decay}
     seq["step_out"] = jnp.ones_like(lr)
     carry = nc.cast((tuple(state[0]), tuple(state[1])), dtype) + (None,)
-    step = partial(nc.linear_rule_step, form=form, read=read, window=1)
-    o, (params, mom, _) = nc.scan_chunks(step, carry, nc.cast(seq, dtype), chunk_size=chunk_size)
+    o, (params, mom, _) = nc.scan_rule(
+        carry, nc.cast(seq, dtype), chunk_size=chunk_size, form=form, read=read, window=1
+    )
     return o, TitansState(params, mom)

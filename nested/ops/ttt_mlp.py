@@ -14,8 +14,6 @@ read with the dual form (masked matmuls over the chunk; theta_t is never formed)
 chunk_size=1 it is online gradient descent (for a depth-1 memory: the delta rule).
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
@@ -63,7 +61,8 @@ def ttt_mlp(
     )
     dtype = jnp.result_type(q, k, v, lr, *jax.tree.leaves(params))
     seq = nc.cast({"q": q, "k": k, "v": v, "step_in": lr}, dtype)
-    step = partial(nc.linear_rule_step, form=form, read="after_write", window=1)
     carry = (nc.cast(tuple(params), dtype), None, None)
-    o, (params, _, _) = nc.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+    o, (params, _, _) = nc.scan_rule(
+        carry, seq, chunk_size=chunk_size, form=form, read="after_write", window=1
+    )
     return o, params
