@@ -195,6 +195,7 @@ def dual_linear(
     gamma: Array,
     inputs,
     deltas,
+    first: tuple[Array, Array | None, Array] | None = None,
 ) -> Callable[[int, Array], Array]:
     """The layers' affine maps at ``theta_t = base_t theta_s + carry_t S_s - sum_i gamma_{t,i}
     grad l_i(theta_s)``, applied row by row without forming theta_t (dual form).
@@ -202,21 +203,28 @@ def dual_linear(
     theta_s = ``params``, S_s = ``momentum`` (or None), the gradients given by factors
     (``sample_grads``'s ``inputs``, ``deltas``, N rows). Returns ``linear(layer, u)``, u
     (B, H, C, d_l) -> (B, H, C, d_{l+1}):
-    ``W_t u + b_t = base (W_s u + b_s) + carry (M_s u + m_s) - sum_i gamma_{t,i} (x_i . u + 1) d_i``
-    (the 1 only with biases).
+    ``W_t u + b_t = base (W_s u + b_s) + carry (M_s u + m_s) - sum_i gamma_{t,i} s_i d_i``,
+    scores ``s_i = x_i . u + 1`` (the 1 only with biases).
 
     Args:
       base, carry: (B, H, C); gamma: (B, H, C, N).
+      first: the first layer's ``(W_s u + b_s, M_s u + m_s or None, scores (B, H, C, N))``
+        when computed beforehand (its inputs are keys, known before a scan over tokens).
     """
 
     def linear(layer, u):
         p = params[layer]
-        z = base[..., None] * affine(p, u)
+        if layer == 0 and first is not None:
+            state, mom, scores = first
+        else:
+            state = affine(p, u)
+            mom = None if momentum is None else affine(momentum[layer], u)
+            scores = jnp.einsum("bhti,bhni->bhtn", u, inputs[layer])
+            if "b" in p:
+                scores = scores + 1.0
+        z = base[..., None] * state
         if momentum is not None:
-            z = z + carry[..., None] * affine(momentum[layer], u)
-        scores = jnp.einsum("bhti,bhni->bhtn", u, inputs[layer])
-        if "b" in p:
-            scores = scores + 1.0
+            z = z + carry[..., None] * mom
         return z - jnp.einsum("bhtn,bhno->bhto", gamma * scores, deltas[layer])
 
     return linear

@@ -186,6 +186,11 @@ def next_state(params, momentum, base, carry, mom_base, gamma, lam, inputs, delt
     return new_params, jax.tree.map(lambda s, g: scale(mom_base, s) + g, momentum, steps)
 
 
+def sample_rows(c: int, window: int) -> np.ndarray:
+    """(C, window): the rows of token t's samples in [prefix; chunk] arrays, t .. t + window - 1."""
+    return np.arange(c)[:, None] + np.arange(window)
+
+
 def previous(x: Array, first: float, axis: int) -> Array:
     """Coefficient rows shifted down one token along ``axis``: row t holds row t - 1 of ``x``
     (the state before token t), row 0 the chunk-start value ``first``."""
@@ -206,23 +211,41 @@ def online_factors(params, momentum, prev, k: Array, v: Array, form: mm.MemoryFo
       ``(inputs, deltas)`` as from ``sample_grads``, C * window rows, token by token.
     """
     base, carry, gamma = prev
-    n = gamma.shape[-1]
-    empty = lambda d: jnp.zeros((*gamma.shape[:2], n, d), k.dtype)
-    factors = (
-        tuple(empty(layer["w"].shape[-1]) for layer in params),
-        tuple(empty(layer["w"].shape[-2]) for layer in params),
+    c = base.shape[-1]
+    # The first layer's inputs are the samples, known for the whole block: its products with
+    # the block-start state and its dual-form scores are one matmul each, not one a token.
+    keys = k[:, :, sample_rows(c, window).reshape(-1)]  # (B, H, C * window, d)
+    scores = jnp.einsum("bhri,bhni->bhrn", k, keys) + (1.0 if "b" in params[0] else 0.0)
+    first = (
+        mm.affine(params[0], k),
+        None if momentum is None else mm.affine(momentum[0], k),
+        scores,
     )
+    empty = lambda d: jnp.zeros((*keys.shape[:3], d), k.dtype)
+    hidden = tuple(empty(layer["w"].shape[-1]) for layer in params[1:])
+    deltas = tuple(empty(layer["w"].shape[-2]) for layer in params)
 
     def token(factors, t):
+        hidden, deltas = factors
         row = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, t, 1, axis=2)
-        samples = lambda x: jax.lax.dynamic_slice_in_dim(x, t, window, axis=2)
-        linear = mm.dual_linear(params, momentum, row(base), row(carry), row(gamma), *factors)
-        new = mm.sample_grads(params, samples(k), samples(v), form, linear)
+        samples = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, t, window, 2)
+        linear = mm.dual_linear(
+            params,
+            momentum,
+            row(base),
+            row(carry),
+            row(gamma),
+            (keys, *hidden),
+            deltas,
+            first=tuple(map(samples, first)),
+        )
+        new_inputs, new_deltas = mm.sample_grads(params, samples(k), samples(v), form, linear)
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, t * window, axis=2)
-        return tuple(tuple(map(put, *pair)) for pair in zip(factors, new, strict=True)), None
+        hidden = tuple(map(put, hidden, new_inputs[1:]))
+        return (hidden, tuple(map(put, deltas, new_deltas))), None
 
-    factors, _ = jax.lax.scan(token, factors, jnp.arange(base.shape[-1]))
-    return factors
+    (hidden, deltas), _ = jax.lax.scan(token, (hidden, deltas), jnp.arange(c))
+    return (keys, *hidden), deltas
 
 
 def linear_rule_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int, online: bool):
@@ -238,19 +261,20 @@ def linear_rule_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int, 
     carry_c, gamma = theta_coefficients(coef, xs.get("step_out"))
     base, lam = coef["base"], coef["lam"]
     if online:
-        # per-token coefficients times each token's sample gates: columns (token, sample)
+        # Per-token coefficients spread over each token's samples (columns (token, sample)),
+        # times the samples' gates.
         c = base.shape[-1]
-        rows, cols = np.arange(c)[:, None], np.arange(c)[:, None] + np.arange(window)
-        gates = None if band is None else band[:, :, rows, cols]  # (B, H, C, window)
-        spread = lambda m: (
-            m if gates is None else (m[..., None] * gates[:, :, None]).reshape(*m.shape[:-1], -1)
-        )
+        if band is None:
+            gates = jnp.ones((*base.shape, 1), base.dtype)
+        else:
+            gates = band[:, :, np.arange(c)[:, None], sample_rows(c, window)]
+        per_sample = lambda m: (m[..., None] * gates[:, :, None]).reshape(*m.shape[:-1], -1)
         before = (
             previous(base, 1.0, -1),
             None if carry_c is None else previous(carry_c, 0.0, -1),
-            spread(previous(gamma, 0.0, -2)),
+            per_sample(previous(gamma, 0.0, -2)),
         )
-        gamma, lam = spread(gamma), spread(lam)
+        gamma, lam = per_sample(gamma), per_sample(lam)
         inputs, deltas = online_factors(params, momentum, before, k, v, form, window)
     else:
         inputs, deltas = mm.sample_grads(params, k, v, form)
