@@ -148,6 +148,65 @@ def test_titans_matches_reference(t, chunk, read, monkeypatch):
     assert_same_vjp(fn, ref_fn, args)
 
 
+def _online_case(name):
+    """(fn, args) of an online (chunk size 1) op on 9 tokens."""
+    x = make_inputs(9)
+    if name == "titans":  # momentum, decay, biases
+        params = make_params()
+        args = (x["q"], x["k"], x["v"], x["lr"], x["momentum"], x["decay"], params)
+
+        def fn(q, k, v, lr, m, a, p, s):
+            state = ops.TitansState(p, s)
+            o, st = ops.titans(q, k, v, lr, m, a, state=state, chunk_size=1)
+            return o, tuple(st)
+
+        return fn, args + (small(params, 3),)
+    # TTT-MLP, depth 3 with the residual LayerNorm head
+    args = (x["q"], x["k"], x["v"], x["lr"], make_params(hidden=(4, 6), bias=False))
+    fn = lambda q, k, v, lr, p: ops.ttt_mlp(
+        q, k, v, lr, params=p, chunk_size=1, activation="silu", residual_norm=True
+    )
+    return fn, args
+
+
+def _minibatch_scan_rule(carry, seq, *, chunk_size, form, read, window):
+    """``neural_chunk.scan_rule`` through the mini-batch path even at chunk size 1 (every
+    gradient at the state before its token; plain autodiff, differentiable to any order)."""
+    step = functools.partial(
+        neural_chunk.linear_rule_step, form=form, read=read, window=window, online=False
+    )
+    return neural_chunk.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("name", ["titans", "ttt_mlp"])
+def test_online_backward_is_differentiable(name, monkeypatch):
+    """The online form's hand-written backward (``nested.ops.online``) differentiated again:
+    the gradient of <VJP(cot), direction> w.r.t. every input equals autodiff's through the
+    mini-batch path at chunk size 1, the same rule (what a meta-gradient through a level that
+    itself takes gradients of the op computes)."""
+    monkeypatch.setattr(neural_chunk, "ONLINE_BLOCK", 4)  # blocks of 4: 3 blocks, last partial
+    fn, args = _online_case(name)
+    cot = small(fn(*args), 7)
+    direction = small(args, 8)
+
+    def second_order_grad():
+        """A new function each call: jit caches traces by function, and each path is traced."""
+
+        def second_order(*args):
+            out, vjp = jax.vjp(fn, *args)
+            pairs = zip(jax.tree.leaves(vjp(cot)), jax.tree.leaves(direction), strict=True)
+            return sum(jnp.vdot(g, d) for g, d in pairs), out
+
+        grad = jax.grad(second_order, argnums=tuple(range(len(args))), has_aux=True)
+        return jax.jit(grad, compiler_options=ref.FAST_COMPILE)
+
+    got = second_order_grad()(*args)
+    with monkeypatch.context() as patch:
+        patch.setattr(neural_chunk, "scan_rule", _minibatch_scan_rule)
+        expected = second_order_grad()(*args)
+    assert_tree_close(got, expected)
+
+
 def poly2(x):
     return jnp.concatenate([x, x * x / 2], axis=-1)
 

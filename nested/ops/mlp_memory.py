@@ -145,26 +145,22 @@ def mlp_apply(params: Params, x: Array, form: MemoryForm = DEFAULT_FORM) -> Arra
     return _forward(lambda layer, u: affine(params[layer], u), x, len(params), form)
 
 
-def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm, linear=None):
+def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm):
     """Per-sample gradients of ``l_i = 1/2 |f_theta(x_i) - v_i|^2``, factorised.
 
     Args:
       x: (B, H, N, d_in) samples; v: (B, H, N, d_out) targets.
-      linear: ``linear(layer, u)``, the layers' affine maps at theta (default: ``params``'s;
-        :func:`dual_linear` gives a state in dual form, not formed).
     Returns:
       ``(inputs, deltas)``, per layer ``(B, H, N, d_l)`` and ``(B, H, N, d_{l+1})``:
       ``grad_W_l l_i = deltas[l][i] inputs[l][i]^T``, ``grad_b_l l_i = deltas[l][i]``.
     """
-    if linear is None:
-        linear = lambda layer, u: affine(params[layer], u)
 
     def forward(offsets):
         inputs = []
 
         def probed(layer, u):
             inputs.append(u)
-            return linear(layer, u) + offsets[layer]
+            return affine(params[layer], u) + offsets[layer]
 
         return _forward(probed, x, len(params), form), inputs
 
@@ -187,51 +183,30 @@ def weighted_grads(weights: Array, inputs, deltas, params: Params) -> Params:
     return tuple(out)
 
 
-def dual_linear(
-    params: Params,
-    momentum: Params | None,
-    base: Array,
-    carry: Array | None,
-    gamma: Array,
-    inputs,
-    deltas,
-    first: tuple[Array, Array | None, Array] | None = None,
-) -> Callable[[int, Array], Array]:
-    """The layers' affine maps at ``theta_t = base_t theta_s + carry_t S_s - sum_i gamma_{t,i}
-    grad l_i(theta_s)``, applied row by row without forming theta_t (dual form).
+def dual_read(params, momentum, base, carry, gamma, x, inputs, deltas, form) -> Array:
+    """Read ``o_t = f_{theta_t}(x_t)`` at ``theta_t = base_t theta_s + carry_t S_s - sum_i
+    gamma_{t,i} grad l_i(theta_s)`` without forming theta_t (dual form).
 
     theta_s = ``params``, S_s = ``momentum`` (or None), the gradients given by factors
-    (``sample_grads``'s ``inputs``, ``deltas``, N rows). Returns ``linear(layer, u)``, u
-    (B, H, C, d_l) -> (B, H, C, d_{l+1}):
+    (``sample_grads``'s ``inputs``, ``deltas``, N rows). Each layer's affine map of rows u
+    (B, H, C, d_l) is
     ``W_t u + b_t = base (W_s u + b_s) + carry (M_s u + m_s) - sum_i gamma_{t,i} s_i d_i``,
     scores ``s_i = x_i . u + 1`` (the 1 only with biases).
 
     Args:
-      base, carry: (B, H, C); gamma: (B, H, C, N).
-      first: the first layer's ``(W_s u + b_s, M_s u + m_s or None, scores (B, H, C, N))``
-        when computed beforehand (its inputs are keys, known before a scan over tokens).
+      base, carry: (B, H, C); gamma: (B, H, C, N); x: (B, H, C, d_in).
+    Returns:
+      (B, H, C, d_out).
     """
 
     def linear(layer, u):
         p = params[layer]
-        if layer == 0 and first is not None:
-            state, mom, scores = first
-        else:
-            state = affine(p, u)
-            mom = None if momentum is None else affine(momentum[layer], u)
-            scores = jnp.einsum("bhti,bhni->bhtn", u, inputs[layer])
-            if "b" in p:
-                scores = scores + 1.0
-        z = base[..., None] * state
+        scores = jnp.einsum("bhti,bhni->bhtn", u, inputs[layer])
+        if "b" in p:
+            scores = scores + 1.0
+        z = base[..., None] * affine(p, u)
         if momentum is not None:
-            z = z + carry[..., None] * mom
+            z = z + carry[..., None] * affine(momentum[layer], u)
         return z - jnp.einsum("bhtn,bhno->bhto", gamma * scores, deltas[layer])
 
-    return linear
-
-
-def dual_read(params, momentum, base, carry, gamma, x, inputs, deltas, form) -> Array:
-    """Read ``o_t = f_{theta_t}(x_t)`` for x (B, H, C, d_in), theta_t as in :func:`dual_linear`;
-    returns (B, H, C, d_out)."""
-    linear = dual_linear(params, momentum, base, carry, gamma, inputs, deltas)
     return _forward(linear, x, len(params), form)

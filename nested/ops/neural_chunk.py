@@ -25,8 +25,9 @@ The online rule (chunk size 1: token t's gradient at theta_{t-1}) keeps these co
 gradients are still rank-one per sample, only taken at different states. It runs in blocks of
 ONLINE_BLOCK tokens: inside a block a scan over tokens computes each token's gradient factors
 at theta_{t-1} = A_{t-1} theta_s + c_{t-1} S_s - sum_{i<t} Gamma_{t-1,i} grad l_i in dual form
-(``online_factors``; matrix-vector products with the block-start state, never a per-token
-state), then the block's reads and its end state are formed as for a chunk.
+(``online_factors``, ``nested.ops.online``: matrix-vector products with the block-start state,
+never a per-token state; its backward is written out), then the block's reads and its end
+state are formed as for a chunk.
 
 Sequences of any length are padded with inert tokens (m = alpha = 1, u = w = 0, gate 0, zero
 inputs) that leave (theta, S) unchanged, then sliced; the chunk loop is a ``lax.scan`` whose body
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested.ops import mlp_memory as mm
+from nested.ops import online
 
 Array = jax.Array
 
@@ -200,8 +202,8 @@ def previous(x: Array, first: float, axis: int) -> Array:
 
 
 def online_factors(params, momentum, prev, k: Array, v: Array, form: mm.MemoryForm, window: int):
-    """Gradient factors of the online rule over one block: token t's gradient is taken at
-    theta_{t-1}, which is in dual form over the block's earlier tokens (never formed).
+    """Gradient factors of the online rule over one block (``online.block_factors``): token t's
+    gradient is taken at theta_{t-1}, which is in dual form over the block's earlier tokens.
 
     Args:
       prev: (A, c, Gamma) of theta_{t-1} (A (B, H, C), c (B, H, C) or None, Gamma
@@ -210,41 +212,28 @@ def online_factors(params, momentum, prev, k: Array, v: Array, form: mm.MemoryFo
     Returns:
       ``(inputs, deltas)`` as from ``sample_grads``, C * window rows, token by token.
     """
-    base, carry, gamma = prev
-    c = base.shape[-1]
+    c = prev[0].shape[-1]
+    rows = sample_rows(c, window)
+    keys = k[:, :, rows.reshape(-1)]  # (B, H, C * window, d)
+    per_token = lambda x: x.reshape(*x.shape[:2], c, window, x.shape[-1])
     # The first layer's inputs are the samples, known for the whole block: its products with
     # the block-start state and its dual-form scores are one matmul each, not one a token.
-    keys = k[:, :, sample_rows(c, window).reshape(-1)]  # (B, H, C * window, d)
-    scores = jnp.einsum("bhri,bhni->bhrn", k, keys) + (1.0 if "b" in params[0] else 0.0)
+    scores = jnp.einsum("bhri,bhni->bhrn", keys, keys) + (1.0 if "b" in params[0] else 0.0)
     first = (
-        mm.affine(params[0], k),
-        None if momentum is None else mm.affine(momentum[0], k),
-        scores,
+        per_token(mm.affine(params[0], keys)),
+        None if momentum is None else per_token(mm.affine(momentum[0], keys)),
+        per_token(scores),
     )
-    empty = lambda d: jnp.zeros((*keys.shape[:3], d), k.dtype)
-    hidden = tuple(empty(layer["w"].shape[-1]) for layer in params[1:])
-    deltas = tuple(empty(layer["w"].shape[-2]) for layer in params)
-
-    def token(factors, t):
-        hidden, deltas = factors
-        row = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, t, 1, axis=2)
-        samples = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, t, window, 2)
-        linear = mm.dual_linear(
-            params,
-            momentum,
-            row(base),
-            row(carry),
-            row(gamma),
-            (keys, *hidden),
-            deltas,
-            first=tuple(map(samples, first)),
-        )
-        new_inputs, new_deltas = mm.sample_grads(params, samples(k), samples(v), form, linear)
-        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, t * window, axis=2)
-        hidden = tuple(map(put, hidden, new_inputs[1:]))
-        return (hidden, tuple(map(put, deltas, new_deltas))), None
-
-    (hidden, deltas), _ = jax.lax.scan(token, (hidden, deltas), jnp.arange(c))
+    rest = lambda p: None if p is None else (None, *p[1:])
+    hidden, deltas = online.block_factors(
+        form,
+        rest(params),
+        rest(momentum),
+        prev,
+        first,
+        v[:, :, rows],
+        per_token(keys) if form.residual_norm else None,
+    )
     return (keys, *hidden), deltas
 
 
@@ -318,7 +307,8 @@ def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int
     seq: name -> (B, T, H, ...) arrays, padded at the end with ``INERT`` tokens to whole chunks
     and handed to ``step`` as (B, H, C, ...) chunks. Returns (o (B, T, H, d), carry).
 
-    Each chunk is rematerialised, so the backward keeps one (theta, S) per chunk. Beyond
+    Each chunk is rematerialised, so the backward keeps one (theta, S) per chunk, plus for the
+    online form the per-token vectors its scan saves (``online.SAVED``: linear in T). Beyond
     FLAT_CHUNKS chunks (e.g. online sequences beyond 1024 tokens) that state count is cut to
     about 2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward.
     """
@@ -337,7 +327,8 @@ def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int
         return x if group == 1 else x.reshape(n_chunks // group, group, *x.shape[1:])
 
     xs = {name: to_chunks(name, x) for name, x in seq.items()}
-    body = jax.checkpoint(step, prevent_cse=False)
+    keep = jax.checkpoint_policies.save_only_these_names(online.SAVED)
+    body = jax.checkpoint(step, prevent_cse=False, policy=keep)
     if group > 1:
         inner = body
         body = jax.checkpoint(lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False)
