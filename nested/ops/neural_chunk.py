@@ -310,7 +310,8 @@ def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int
     Each chunk is rematerialised, so the backward keeps one (theta, S) per chunk, plus for the
     online form the per-token vectors its scan saves (``online.SAVED``: linear in T). Beyond
     FLAT_CHUNKS chunks (e.g. online sequences beyond 1024 tokens) that state count is cut to
-    about 2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward.
+    about 2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward of
+    everything but the online scans (their saved vectors are kept across segments too).
     """
     batch, length = next(iter(seq.values())).shape[:2]
     n_chunks = -(-length // chunk_size)
@@ -331,7 +332,9 @@ def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int
     body = jax.checkpoint(step, prevent_cse=False, policy=keep)
     if group > 1:
         inner = body
-        body = jax.checkpoint(lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False)
+        body = jax.checkpoint(
+            lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False, policy=keep
+        )
     carry, o = jax.lax.scan(body, carry, xs)
     o = o.reshape(n_chunks, *o.shape[-4:])
     o = jnp.moveaxis(o, (0, 2), (1, 3))  # (B, n, C, H, d)
