@@ -100,6 +100,11 @@ def mlp_forward(
     for layer in range(depth):
         z = linear(layer, u)
         u = act(z) if layer < depth - 1 else z
+    return mlp_output(x, u, residual_norm, norm_eps)
+
+
+def mlp_output(x: jax.Array, u: jax.Array, residual_norm: bool, norm_eps: float) -> jax.Array:
+    """The network's output from its last layer's ``u``: ``u``, or ``x + LN(u)`` (TTT form)."""
     return x + layer_norm(u, norm_eps) if residual_norm else u
 
 

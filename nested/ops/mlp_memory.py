@@ -146,7 +146,7 @@ def mlp_apply(params: Params, x: Array, form: MemoryForm = DEFAULT_FORM) -> Arra
 
 
 def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm):
-    """Per-sample gradients of ``l_i = 1/2 |f_theta(x_i) - v_i|^2``, factorised.
+    """Per-sample gradients of ``l_i = 1/2 |f_theta(x_i) - v_i|^2`` at shared params, factorised.
 
     Args:
       x: (B, H, N, d_in) samples; v: (B, H, N, d_out) targets.
@@ -158,11 +158,11 @@ def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm):
     def forward(offsets):
         inputs = []
 
-        def probed(layer, u):
+        def linear(layer, u):
             inputs.append(u)
             return affine(params[layer], u) + offsets[layer]
 
-        return _forward(probed, x, len(params), form), inputs
+        return _forward(linear, x, len(params), form), inputs
 
     # The loss gradient w.r.t. a zero offset added to a pre-activation is that layer's delta.
     offsets = [jnp.zeros((*x.shape[:-1], layer["w"].shape[-2]), x.dtype) for layer in params]
@@ -183,15 +183,41 @@ def weighted_grads(weights: Array, inputs, deltas, params: Params) -> Params:
     return tuple(out)
 
 
-def dual_read(params, momentum, base, carry, gamma, x, inputs, deltas, form) -> Array:
-    """Read ``o_t = f_{theta_t}(x_t)`` at ``theta_t = base_t theta_s + carry_t S_s - sum_i
-    gamma_{t,i} grad l_i(theta_s)`` without forming theta_t (dual form).
+def dual_affine(layer, mom_layer, base, carry, gamma, u: Array, inputs, deltas) -> Array:
+    """One layer's affine map at ``theta_t = base theta_s + carry S_s - sum_n gamma_n grad l_n``
+    (dual form: theta_t is not formed), for rows u (B, H, R, d_in):
 
-    theta_s = ``params``, S_s = ``momentum`` (or None), the gradients given by factors
-    (``sample_grads``'s ``inputs``, ``deltas``, N rows). Each layer's affine map of rows u
-    (B, H, C, d_l) is
-    ``W_t u + b_t = base (W_s u + b_s) + carry (M_s u + m_s) - sum_i gamma_{t,i} s_i d_i``,
-    scores ``s_i = x_i . u + 1`` (the 1 only with biases).
+        base (W_s u + b_s) + carry (M_s u + m_s) - sum_n gamma_n (x_n . u + 1) d_n
+
+    (the 1 only with biases). ``layer``, ``mom_layer``: the layer of theta_s and of S_s (None
+    without momentum); base, carry: (B, H, R), or (B, H, 1) for one state shared by the rows;
+    gamma: (B, H, R, N) or (B, H, 1, N); inputs (B, H, N, d_in), deltas (B, H, N, d_out): the
+    layer's gradient factors (``sample_grads``). Returns (B, H, R, d_out)."""
+    scores = jnp.einsum("bhri,bhni->bhrn", u, inputs)
+    if "b" in layer:
+        scores = scores + 1.0
+    z = base[..., None] * affine(layer, u)
+    if mom_layer is not None:
+        z = z + carry[..., None] * affine(mom_layer, u)
+    return z - jnp.einsum("bhrn,bhno->bhro", gamma * scores, deltas)
+
+
+def dual_read(
+    params: Params,
+    momentum: Params | None,
+    base: Array,
+    carry: Array | None,
+    gamma: Array,
+    x: Array,
+    inputs,
+    deltas,
+    form: MemoryForm,
+) -> Array:
+    """Read ``o_t = f_{theta_t}(x_t)`` without forming theta_t (dual form).
+
+    ``theta_t = base_t theta_s + carry_t S_s - sum_i gamma_{t,i} grad l_i(theta_s)`` with theta_s
+    = ``params``, S_s = ``momentum``, the gradients given by ``sample_grads`` factors; every
+    layer through :func:`dual_affine`.
 
     Args:
       base, carry: (B, H, C); gamma: (B, H, C, N); x: (B, H, C, d_in).
@@ -200,13 +226,7 @@ def dual_read(params, momentum, base, carry, gamma, x, inputs, deltas, form) -> 
     """
 
     def linear(layer, u):
-        p = params[layer]
-        scores = jnp.einsum("bhti,bhni->bhtn", u, inputs[layer])
-        if "b" in p:
-            scores = scores + 1.0
-        z = base[..., None] * affine(p, u)
-        if momentum is not None:
-            z = z + carry[..., None] * affine(momentum[layer], u)
-        return z - jnp.einsum("bhtn,bhno->bhto", gamma * scores, deltas[layer])
+        mom = None if momentum is None else momentum[layer]
+        return dual_affine(params[layer], mom, base, carry, gamma, u, inputs[layer], deltas[layer])
 
     return _forward(linear, x, len(params), form)

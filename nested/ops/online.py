@@ -4,8 +4,8 @@ Token t of a block takes its loss gradient at the state before it,
 
     theta_{t-1} = A_{t-1} theta_s + c_{t-1} S_s - sum_{i<t} Gamma_{t-1,i} grad l_i(theta_{i-1}),
 
-which is never formed: every layer map of the memory is applied in dual form (as in
-``mlp_memory.dual_read``), products with the block-start state and momentum plus a sum over the
+which is never formed: every layer map of the memory is applied in dual form
+(``mlp_memory.dual_affine``), products with the block-start state and momentum plus a sum over the
 factors (x_i, delta_i) of the block's earlier samples,
 
     Lin_l(u)   = A W_l u + c M_l u - sum_i Gamma_i (x_i . u + beta) delta_i     (+ A b + c m)
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from nested.memories import layer_norm
+from nested.memories import mlp_output
 from nested.ops import mlp_memory as mm
 
 Array = jax.Array
@@ -51,11 +51,9 @@ def _bcast(a: Array, x: Array) -> Array:
     return a.reshape(a.shape + (1,) * (x.ndim - 2)) * x
 
 
-def _head_delta(form: mm.MemoryForm, z: Array, v: Array, x0: Array) -> Array:
-    """delta of the last layer: d/dz 1/2 |head(z) - v|^2, head(z) = z or x0 + LN(z)."""
-    if not form.residual_norm:
-        return z - v
-    out, pullback = jax.vjp(lambda z: x0 + layer_norm(z, form.norm_eps), z)
+def _head_delta(form: mm.MemoryForm, z: Array, v: Array, x0: Array | None) -> Array:
+    """delta of the last layer: d/dz 1/2 |out(z) - v|^2, out = ``memories.mlp_output``."""
+    out, pullback = jax.vjp(lambda z: mlp_output(x0, z, form.residual_norm, form.norm_eps), z)
     return pullback(out - v)[0]
 
 
@@ -90,12 +88,12 @@ def _forward_token(params, momentum, form, bufs, xs):
     depth = len(deltas)
     weights = lambda s: gamma[:, :, None, :] * s
     z, inputs = [_combine(base, carry, state, mom, weights(scores), deltas[0])], []
+    shared = lambda a: None if a is None else a[:, :, None]  # one state for the w rows
     for layer in range(1, depth):
         u = form.act(z[-1])
-        p, m = params[layer], None if momentum is None else momentum[layer]
-        s = _dual_scores(u, hidden[layer - 1]) + (1.0 if "b" in p else 0.0)
-        mom = None if m is None else mm.affine(m, u)
-        z.append(_combine(base, carry, mm.affine(p, u), mom, weights(s), deltas[layer]))
+        m = None if momentum is None else momentum[layer]
+        row = (shared(base), shared(carry), gamma[:, :, None, :])
+        z.append(mm.dual_affine(params[layer], m, *row, u, hidden[layer - 1], deltas[layer]))
         inputs.append(u)
     delta = [None] * depth
     delta[-1] = _head_delta(form, z[-1], v, x0)
@@ -175,11 +173,14 @@ def _backward_token(params, momentum, form, finals, cts, xs):
     cotangents of its inputs plus the per-layer cotangents the parameters' sums need."""
     hidden, deltas = finals
     ct_hidden, ct_deltas = map(list, cts)
-    t, coef, (state, mom, scores), v, x0, (z, back, overlaps), inputs, delta = xs
+    t, coef, (state, mom, scores), v, x0, (z, back, overlaps) = xs
     base, carry, gamma = coef
     depth, w = len(deltas), v.shape[2]
+    # The rows token t had seen: its gamma's cotangent is zero elsewhere, where the forward
+    # read zeros but the finished buffers hold later tokens' factors.
     mask = (jnp.arange(gamma.shape[-1]) < t * w).astype(gamma.dtype)[None, None]
     rows = lambda buf: jax.lax.dynamic_slice_in_dim(buf, t * w, w, 2)
+    inputs, delta = [rows(b) for b in hidden], [rows(b) for b in deltas]
     ct_in = [rows(b) for b in ct_hidden]
     ct_d = [rows(b) for b in ct_deltas]
     ct_z = [jnp.zeros_like(x) for x in z]
@@ -313,15 +314,7 @@ def _fwd(form, params, momentum, coef, first, v, x0):
 def _bwd(form, saved, cts):
     params, momentum, coef, first, v, x0, finals, residuals = saved
     c, w = v.shape[2], v.shape[3]
-    hidden, deltas = finals
-    tokens_of = lambda buf: jnp.moveaxis(buf.reshape(*buf.shape[:2], c, w, buf.shape[-1]), 2, 0)
-    xs = (
-        jnp.arange(c),
-        *_tokens((coef, first, v, x0)),
-        residuals,
-        tuple(map(tokens_of, hidden)),
-        tuple(map(tokens_of, deltas)),
-    )
+    xs = (jnp.arange(c), *_tokens((coef, first, v, x0)), residuals)
     step = partial(_backward_token, params, momentum, form, finals)
     _, ys = jax.lax.scan(step, cts, xs, reverse=True)
     ct_coef, ct_first, ct_v, ct_x0, ct_z, ct_back = _untokens(ys)
