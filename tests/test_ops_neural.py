@@ -446,6 +446,32 @@ def test_atlas_window1_is_titans(read):
     assert_tree_close(st_a.params, st_t.params)
 
 
+def test_decay_products_and_their_derivatives_equal_the_plain_products():
+    """The chunk's decay matrix (written-out derivative) against prod(x[r+1 : t+1]) entry by
+    entry, with zero and negative gates: values, reverse and forward derivatives, second order."""
+    x = uniform(0, (2, 6), 0.2, 0.95).at[0, 2].set(0.0).at[1, 4].set(0.0).at[1, 0].set(-0.5)
+    weights = normal(1, (2, 6, 6))
+
+    def plain(x):
+        rows = [[jnp.prod(x[..., r + 1 : t + 1], axis=-1) for r in range(6)] for t in range(6)]
+        d = jnp.stack([jnp.stack(row, axis=-1) for row in rows], axis=-2)
+        return jnp.tril(d)
+
+    @jax.jit
+    def derivatives(x):
+        second = jax.hessian(lambda x: jnp.sum(weights * neural_chunk.products_below(x)))
+        f = neural_chunk.products_below
+        return f(x), jax.jacrev(f)(x), jax.jacfwd(f)(x), second(x)
+
+    @jax.jit
+    def plain_derivatives(x):
+        second = jax.hessian(lambda x: jnp.sum(weights * plain(x)))
+        return plain(x), jax.jacrev(plain)(x), jax.jacfwd(plain)(x), second(x)
+
+    for got, want in zip(derivatives(x), plain_derivatives(x), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_newton_schulz_is_nearly_orthogonal():
     for shape in [(3, 6, 10), (2, 10, 6)]:
         x = normal(0, shape)

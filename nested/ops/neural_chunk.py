@@ -89,13 +89,33 @@ def cast(tree, dtype):
 def decay_matrix(x: Array) -> tuple[Array, Array]:
     """D_{t,r} = prod_{r < j <= t} x_j for t >= r, else 0, and P_t = prod_{j <= t} x_j.
 
-    (..., C) -> ((..., C, C), (..., C)). A cumulative product down each column (an associative
-    scan: division-free, so exact with zero gates, and log-depth)."""
+    (..., C) -> ((..., C, C), (..., C)). ``products_below`` builds D."""
+    decay = products_below(x)
+    return decay, decay[..., 0] * x[..., :1]
+
+
+@jax.custom_jvp
+def products_below(x: Array) -> Array:
+    """D_{t,r} = prod_{r < j <= t} x_j (t >= r), (..., C) -> (..., C, C): a cumulative product
+    down each column (an associative scan: division-free, so exact with zero gates).
+
+    Its derivative is written out (``_products_below_jvp``) because autodiff's, through the
+    scan's interleaving, costs dozens of small ops where one matmul does."""
     c = x.shape[-1]
     lower = np.arange(c)[:, None] > np.arange(c)[None, :]
     factors = jnp.where(lower, x[..., :, None], jnp.ones((), x.dtype))
-    decay = jnp.tril(jax.lax.associative_scan(jnp.multiply, factors, axis=x.ndim - 1))
-    return decay, decay[..., 0] * x[..., :1]
+    return jnp.tril(jax.lax.associative_scan(jnp.multiply, factors, axis=x.ndim - 1))
+
+
+@products_below.defjvp
+def _products_below_jvp(primals, tangents):
+    """dD_{t,r} = sum_{r < j <= t} D_{t,j} dx_j D_{j-1,r}: the product with factor j left out,
+    split into its part above j and below it (no division, so exact with zero gates). As
+    matrices dD = D diag(dx) E, E_{j,r} = D_{j-1,r} (D shifted down a row, row 0 zero)."""
+    (x,), (dx,) = primals, tangents
+    decay = products_below(x)
+    below = jnp.concatenate([jnp.zeros_like(decay[..., :1, :]), decay[..., :-1, :]], axis=-2)
+    return decay, (decay * dx[..., None, :]) @ below
 
 
 def window_band(gate: Array, window: int) -> Array:
