@@ -107,9 +107,10 @@ SCRIPT = textwrap.dedent(
 
 def start(jobs: dict, *, devices: int, env: dict) -> subprocess.Popen:
     env = {**os.environ, **env, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    if devices == 8:
-        env["XLA_FLAGS"] = EIGHT
+    # The inherited flags (tests/conftest.py's) without any device count, then ours.
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith(EIGHT.split("=")[0])]
+    env["XLA_FLAGS"] = " ".join(flags + ([EIGHT] if devices == 8 else []))
     command = [sys.executable, "-c", SCRIPT, str(tiny_configs.ROOT / "tests"), json.dumps(jobs)]
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
