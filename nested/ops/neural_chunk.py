@@ -317,8 +317,12 @@ def scan_rule(carry, seq: dict[str, Array], *, chunk_size: int, form, read: str,
 
 
 def segment_size(n_chunks: int) -> int:
-    """Chunks per rematerialised segment: 1 (flat) up to FLAT_CHUNKS chunks, else ~sqrt(n)."""
-    return 1 if n_chunks <= FLAT_CHUNKS else math.isqrt(n_chunks - 1) + 1
+    """Chunks per rematerialised segment: 1 (flat) up to FLAT_CHUNKS chunks, else the size in
+    [sqrt(n) / 2, sqrt(n)] that pads the fewest chunks (the largest among equals): 8 for 128."""
+    if n_chunks <= FLAT_CHUNKS:
+        return 1
+    root = math.isqrt(n_chunks - 1) + 1
+    return min(range(root, max(2, root // 2) - 1, -1), key=lambda g: -n_chunks % g)
 
 
 def scan_chunks(step: Callable, carry, seq: dict[str, Array], *, chunk_size: int):
