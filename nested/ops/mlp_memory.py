@@ -183,6 +183,26 @@ def weighted_grads(weights: Array, inputs, deltas, params: Params) -> Params:
     return tuple(out)
 
 
+def scale(a: Array, x: Array) -> Array:
+    """``a * x`` for a (B, H) coefficient and a (B, H, ...) leaf."""
+    return a.reshape(a.shape + (1,) * (x.ndim - 2)) * x
+
+
+def dual_scores(layer, u: Array, inputs: Array) -> Array:
+    """The dual form's scores ``x_n . u`` (+ 1 when ``layer`` has a bias; ``layer`` None: none):
+    u (B, H, R, d), inputs (B, H, N, d) -> (B, H, R, N)."""
+    scores = jnp.einsum("bhri,bhni->bhrn", u, inputs)
+    return scores + 1.0 if layer is not None and "b" in layer else scores
+
+
+def dual_combine(base, carry, state: Array, mom: Array | None, weights: Array, buf: Array):
+    """``base state + carry mom - sum_n weights_n buf_n``, the dual form's sum for rows:
+    state, mom (B, H, R, d) (mom None without momentum), base, carry (B, H, R) or (B, H, 1),
+    weights (B, H, R, N), buf (B, H, N, d). Returns (B, H, R, d)."""
+    z = base[..., None] * state - jnp.einsum("bhrn,bhnd->bhrd", weights, buf)
+    return z if mom is None else z + carry[..., None] * mom
+
+
 def dual_affine(layer, mom_layer, base, carry, gamma, u: Array, inputs, deltas) -> Array:
     """One layer's affine map at ``theta_t = base theta_s + carry S_s - sum_n gamma_n grad l_n``
     (dual form: theta_t is not formed), for rows u (B, H, R, d_in):
@@ -193,13 +213,9 @@ def dual_affine(layer, mom_layer, base, carry, gamma, u: Array, inputs, deltas) 
     without momentum); base, carry: (B, H, R), or (B, H, 1) for one state shared by the rows;
     gamma: (B, H, R, N) or (B, H, 1, N); inputs (B, H, N, d_in), deltas (B, H, N, d_out): the
     layer's gradient factors (``sample_grads``). Returns (B, H, R, d_out)."""
-    scores = jnp.einsum("bhri,bhni->bhrn", u, inputs)
-    if "b" in layer:
-        scores = scores + 1.0
-    z = base[..., None] * affine(layer, u)
-    if mom_layer is not None:
-        z = z + carry[..., None] * affine(mom_layer, u)
-    return z - jnp.einsum("bhrn,bhno->bhro", gamma * scores, deltas)
+    mom = None if mom_layer is None else affine(mom_layer, u)
+    weights = gamma * dual_scores(layer, u, inputs)
+    return dual_combine(base, carry, affine(layer, u), mom, weights, deltas)
 
 
 def dual_read(

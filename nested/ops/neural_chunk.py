@@ -184,11 +184,6 @@ def window_samples(prefix, xs, window: int):
     return k, v, window_band(g, window), tail
 
 
-def scale(a: Array, x: Array) -> Array:
-    """``a * x`` for a (B, H) coefficient and a (B, H, ...) leaf."""
-    return a.reshape(a.shape + (1,) * (x.ndim - 2)) * x
-
-
 def scale_rows(a: Array, x: Array) -> Array:
     """``a_t * x_t`` for (B, H, C) coefficients and (B, H, C, ...) rows."""
     return a.reshape(a.shape + (1,) * (x.ndim - 3)) * x
@@ -200,12 +195,12 @@ def next_state(params, momentum, base, carry, mom_base, gamma, lam, inputs, delt
     The minus sign goes into the (N,) weights, not onto parameter-sized arrays."""
     steps = mm.weighted_grads(-gamma, inputs, deltas, params)
     if momentum is None:
-        return jax.tree.map(lambda p, g: scale(base, p) + g, params, steps), None
+        return jax.tree.map(lambda p, g: mm.scale(base, p) + g, params, steps), None
     new_params = jax.tree.map(
-        lambda p, s, g: scale(base, p) + scale(carry, s) + g, params, momentum, steps
+        lambda p, s, g: mm.scale(base, p) + mm.scale(carry, s) + g, params, momentum, steps
     )
     steps = mm.weighted_grads(-lam, inputs, deltas, params)
-    return new_params, jax.tree.map(lambda s, g: scale(mom_base, s) + g, momentum, steps)
+    return new_params, jax.tree.map(lambda s, g: mm.scale(mom_base, s) + g, momentum, steps)
 
 
 def sample_rows(c: int, window: int) -> np.ndarray:
@@ -238,7 +233,7 @@ def online_factors(params, momentum, prev, k: Array, v: Array, form: mm.MemoryFo
     per_token = lambda x: x.reshape(*x.shape[:2], c, window, x.shape[-1])
     # The first layer's inputs are the samples, known for the whole block: its products with
     # the block-start state and its dual-form scores are one matmul each, not one a token.
-    scores = jnp.einsum("bhri,bhni->bhrn", keys, keys) + (1.0 if "b" in params[0] else 0.0)
+    scores = mm.dual_scores(params[0], keys, keys)
     first = (
         per_token(mm.affine(params[0], keys)),
         None if momentum is None else per_token(mm.affine(momentum[0], keys)),

@@ -46,9 +46,9 @@ Array = jax.Array
 SAVED = "online_factors"
 
 
-def _bcast(a: Array, x: Array) -> Array:
-    """``a * x`` for a (B, H) per-token coefficient and (B, H, ...) rows."""
-    return a.reshape(a.shape + (1,) * (x.ndim - 2)) * x
+def _per_token(a: Array | None) -> Array | None:
+    """A token's (B, H) coefficient as (B, H, 1): one state shared by the token's rows."""
+    return None if a is None else a[:, :, None]
 
 
 def _head_delta(form: mm.MemoryForm, z: Array, v: Array, x0: Array | None) -> Array:
@@ -62,11 +62,6 @@ def _act_pullback(form: mm.MemoryForm, z: Array, e: Array) -> Array:
     return jax.vjp(form.act, z)[1](e)[0]
 
 
-def _dual_scores(u: Array, buf: Array) -> Array:
-    """(B, H, w, N) products of w rows with the buffer's N rows."""
-    return jnp.einsum("bhri,bhni->bhrn", u, buf)
-
-
 def _matvec(layer: dict | None, u: Array, transpose: bool = False) -> Array | None:
     """W u (rows u (B, H, w, d_in)) or W^T u; None without a momentum."""
     if layer is None:
@@ -75,35 +70,27 @@ def _matvec(layer: dict | None, u: Array, transpose: bool = False) -> Array | No
     return jnp.einsum(spec, layer["w"], u)
 
 
-def _combine(base, carry, state, mom, weights, buf):
-    """base * state + carry * mom - weights @ buf, weights (B, H, w, N), buf (B, H, N, d)."""
-    z = _bcast(base, state) - jnp.einsum("bhrn,bhnd->bhrd", weights, buf)
-    return z if mom is None else z + _bcast(carry, mom)
-
-
 def _forward_token(params, momentum, form, bufs, xs):
     """One token: its factors appended to the buffers, and what the backward needs of it."""
     hidden, deltas = bufs  # hidden[l - 1]: layer l's inputs (l >= 1); deltas[l]: layer l's
     t, base, carry, gamma, (state, mom, scores), v, x0 = xs
     depth = len(deltas)
-    weights = lambda s: gamma[:, :, None, :] * s
-    z, inputs = [_combine(base, carry, state, mom, weights(scores), deltas[0])], []
-    shared = lambda a: None if a is None else a[:, :, None]  # one state for the w rows
+    row, g = (_per_token(base), _per_token(carry)), gamma[:, :, None, :]
+    weights = lambda s: g * s
+    z, inputs = [mm.dual_combine(*row, state, mom, weights(scores), deltas[0])], []
     for layer in range(1, depth):
         u = form.act(z[-1])
         m = None if momentum is None else momentum[layer]
-        row = (shared(base), shared(carry), gamma[:, :, None, :])
-        z.append(mm.dual_affine(params[layer], m, *row, u, hidden[layer - 1], deltas[layer]))
+        z.append(mm.dual_affine(params[layer], m, *row, g, u, hidden[layer - 1], deltas[layer]))
         inputs.append(u)
     delta = [None] * depth
     delta[-1] = _head_delta(form, z[-1], v, x0)
     back, overlaps = [None] * depth, [None] * depth
     for layer in range(depth - 1, 0, -1):
         p, m = params[layer], None if momentum is None else momentum[layer]
-        overlaps[layer] = _dual_scores(delta[layer], deltas[layer])
-        back[layer] = _combine(
-            base,
-            carry,
+        overlaps[layer] = mm.dual_scores(None, delta[layer], deltas[layer])
+        back[layer] = mm.dual_combine(
+            *row,
             _matvec(p, delta[layer], True),
             _matvec(m, delta[layer], True),
             weights(overlaps[layer]),
@@ -145,10 +132,10 @@ def _transpose_map(p, m, transposed, coef, u, ct_z, buf_in, buf_out, scores, mas
     z's cotangent ``ct_z``. Returns (ct_u, (ct_base, ct_carry, ct_gamma), ct_buf_in,
     ct_buf_out); the parameters' cotangents are summed over the block by the caller."""
     base, carry, gamma = coef
-    a = _dual_scores(ct_z, buf_out)  # (B, H, w, N): buf_out_n . ct_z
+    a = mm.dual_scores(None, ct_z, buf_out)  # (B, H, w, N): buf_out_n . ct_z
     ga = gamma[:, :, None, :] * a
     wt, mt = _matvec(p, ct_z, not transposed), _matvec(m, ct_z, not transposed)
-    ct_u = _combine(base, carry, wt, mt, ga, buf_in)
+    ct_u = mm.dual_combine(_per_token(base), _per_token(carry), wt, mt, ga, buf_in)
     sum_rows = jnp.sum(ct_z, axis=2)
 
     def ct_scale(layer, prod):
@@ -219,7 +206,7 @@ def _backward_token(params, momentum, form, finals, cts, xs):
     # The network forward, reversed: z_l = Lin_l(x_l), x_l = act(z_{l-1}).
     for layer in range(depth - 1, 0, -1):
         p = params[layer]
-        s = _dual_scores(inputs[layer - 1], hidden[layer - 1]) + (1.0 if "b" in p else 0.0)
+        s = mm.dual_scores(p, inputs[layer - 1], hidden[layer - 1])
         ct_u, terms, ct_in_buf, ct_out_buf = _transpose_map(
             *layers(layer),
             False,
@@ -238,10 +225,10 @@ def _backward_token(params, momentum, form, finals, cts, xs):
         ct_z[layer - 1] = ct_z[layer - 1] + jax.vjp(form.act, z[layer - 1])[1](total)[0]
 
     # The first layer: z_0 = base state + carry mom - sum_n gamma_n scores_n delta0_n.
-    a = _dual_scores(ct_z[0], deltas[0])
+    a = mm.dual_scores(None, ct_z[0], deltas[0])
     first = (
-        _bcast(base, ct_z[0]),
-        None if carry is None else _bcast(carry, ct_z[0]),
+        mm.scale(base, ct_z[0]),
+        None if carry is None else mm.scale(carry, ct_z[0]),
         -gamma[:, :, None, :] * a,
     )
     rowdot = lambda x: jnp.sum(x * ct_z[0], axis=(-2, -1))
@@ -257,31 +244,24 @@ def _backward_token(params, momentum, form, finals, cts, xs):
 
 
 def _param_cts(params, momentum, coef, finals, ct_z, ct_back, w):
-    """Cotangents of the layers l >= 1 (W, b; M, m) over the block: sum over tokens of
-    base_t (ct_z ⊗ x + delta ⊗ ct_e), carry_t the same for the momentum, one matmul each."""
+    """Cotangents of the layers l >= 1 (W, b; M, m) over the block: the sum over tokens t and
+    their rows n of base_t (ct_z_n x_n^T + delta_n ct_e_n^T) (b: base_t ct_z_n), carry_t the
+    same for the momentum: weighted sums of outer products (``mlp_memory.weighted_grads``)."""
     hidden, deltas = finals
     base, carry, _ = coef
     flat = lambda x: x.reshape(*x.shape[:2], -1, x.shape[-1])  # (B, H, C, w, d) -> (B, H, Cw, d)
+    cz, ce = [flat(x) for x in ct_z], [flat(x) for x in ct_back]
 
-    def per_row(a, x):  # a (B, H, C) per token times (B, H, Cw, d) rows
-        return jnp.repeat(a, w, axis=2)[..., None] * x
-
-    def layer_ct(layer, a, l):
-        if layer is None:
+    def layer_cts(layers, a):
+        if layers is None:
             return None
-        cz, ce = flat(ct_z[l - 1]), flat(ct_back[l - 1])
-        ct = {
-            "w": jnp.einsum("bhno,bhni->bhoi", per_row(a, cz), hidden[l - 1])
-            + jnp.einsum("bhno,bhni->bhoi", per_row(a, deltas[l]), ce)
-        }
-        if "b" in layer:
-            ct["b"] = jnp.sum(per_row(a, cz), axis=2)
-        return ct
+        rows = jnp.repeat(a, w, axis=2)  # a token's coefficient on each of its rows
+        direct = mm.weighted_grads(rows, hidden, cz, layers[1:])
+        through = mm.weighted_grads(rows, ce, deltas[1:], ({},) * len(ce))  # no bias term
+        pairs = zip(direct, through, strict=True)
+        return (None, *({**d, "w": d["w"] + t["w"]} for d, t in pairs))
 
-    cts_p = (None, *(layer_ct(params[l], base, l) for l in range(1, len(params))))
-    if momentum is None:
-        return cts_p, None
-    return cts_p, (None, *(layer_ct(momentum[l], carry, l) for l in range(1, len(params))))
+    return layer_cts(params, base), layer_cts(momentum, carry)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
