@@ -159,16 +159,6 @@ def make_inputs(t, seed=0, dtype=jnp.float64):
     }
 
 
-# Tests compile many small programs; without LLVM optimisations that takes about half the time,
-# and the tested program (the HLO) is the same.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def jit_run(fn, *args):
-    """``jax.jit(fn)(*args)``, compiled fast."""
-    return jax.jit(fn, compiler_options=FAST_COMPILE)(*args)
-
-
 def assert_tree_close(actual, expected, rtol=1e-9, atol=1e-10, err_msg=""):
     def check(path, a, e):
         msg = f"{err_msg} {jax.tree_util.keystr(path)}"
@@ -209,7 +199,7 @@ def check_against_reference(op, reference, names, lengths_and_chunks=LENGTHS_AND
         ]
 
     diffs = [{n: inputs[n] for n in names} for inputs, _, _ in problems]
-    for (inputs, cot, chunks), d, got in zip(problems, diffs, jit_run(run_op, diffs), strict=True):
+    for (inputs, cot, chunks), d, got in zip(problems, diffs, jax.jit(run_op)(diffs), strict=True):
         expected = value_and_pullback(reference, inputs, cot, d)
         for chunk, result in zip(chunks, got, strict=True):
             t = inputs["q"].shape[1]
@@ -238,7 +228,7 @@ def check_chunking_is_invisible(op, odd_chunks=(3, 5, 37)):
             (op({**a, "state": None}, None), op(zeros, None)),
         )
 
-    (base, *odd), (whole, split), (with_none, with_zeros) = jit_run(run, inputs)
+    (base, *odd), (whole, split), (with_none, with_zeros) = jax.jit(run)(inputs)
     for chunk, result in zip(odd_chunks, odd, strict=True):
         assert_tree_close(result, base, err_msg=f"chunk_size={chunk}")
     assert_tree_close(split, whole, err_msg="split in two calls")
@@ -255,7 +245,7 @@ def check_float32_strong_decay(op, inputs, names):
     def run(diff):
         return [(op({**inputs, **diff}, c), jax.grad(loss)(diff, c)) for c in (1, 16, None)]
 
-    expected, *chunked = jit_run(run, {n: inputs[n] for n in names})
+    expected, *chunked = jax.jit(run)({n: inputs[n] for n in names})
     for result in chunked:
         for leaf in jax.tree.leaves(result):
             assert leaf.dtype == jnp.float32

@@ -14,8 +14,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Tests check numbers, not speed: compile with less optimisation (about half the compile time).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 ACT = {"gelu": jax.nn.gelu, "silu": jax.nn.silu, "tanh": jnp.tanh, "relu": jax.nn.relu}
 
 
@@ -108,9 +106,7 @@ def _bh(fn):
     """A token step for one (batch, head), vmapped over (B, H), and its VJP, both compiled."""
     fn = jax.vmap(jax.vmap(fn))
     vjp = lambda primals, cot: jax.vjp(fn, *primals)[1](cot)
-    return _Step(
-        jax.jit(fn, compiler_options=FAST_COMPILE), jax.jit(vjp, compiler_options=FAST_COMPILE)
-    )
+    return _Step(jax.jit(fn), jax.jit(vjp))
 
 
 @functools.lru_cache
@@ -211,7 +207,7 @@ def atlas_ref(
     return o, (theta, s, tail(keys), tail(values), tail(weights))
 
 
-@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+@jax.jit
 def _delta_step(w, tok):
     q, k, v, b = tok
     w = w + b[..., None, None] * jnp.einsum(

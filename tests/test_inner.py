@@ -10,12 +10,6 @@ import nested as nl
 from nested import inner
 
 B, H, DK, DV = 2, 2, 3, 4
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def fast_jit(fn):
-    """Tiny test programs: compile time dominates, so skip XLA's expensive passes."""
-    return jax.jit(fn, compiler_options=FAST_COMPILE)
 
 
 def make_context(T, seed=0, gates=("beta",)):
@@ -122,10 +116,10 @@ def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
         return reference(ctx, W0, every, step, read)
 
     W0 = state.params["W"]
-    for a, b in zip(fast_jit(ours)(ctx, W0), fast_jit(theirs)(ctx, W0), strict=True):
+    for a, b in zip(jax.jit(ours)(ctx, W0), jax.jit(theirs)(ctx, W0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     grads = [
-        fast_jit(jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1)))(ctx, W0)
+        jax.jit(jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1)))(ctx, W0)
         for f in (ours, theirs)
     ]
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):

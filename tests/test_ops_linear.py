@@ -5,8 +5,6 @@ the equation's per-token loop (``reference_linear``) in value and in the gradien
 input and the initial state, on lengths that are not multiples of the chunk.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +56,7 @@ def test_ttt_linear_matches_minibatch_reference():
         ref.check_against_reference(op, reference, names, ((7, (chunk,)), (37, (chunk,))))
 
 
-@functools.partial(jax.jit, compiler_options=ref.FAST_COMPILE)
+@jax.jit
 def _ttt_properties(a):
     ttt = lambda c: ops.ttt_linear(
         a["q"], a["k"], a["v"], a["lr"], initial_state=a["state"], chunk_size=c
@@ -91,7 +89,7 @@ def test_ttt_linear_split_at_minibatch_boundary_carries_state():
         a["q"], a["k"], a["v"], a["lr"], initial_state=a["state"], chunk_size=c
     )
     inputs = make_inputs(37, seed=4)
-    whole, split = ref.jit_run(lambda a: (op(a, 8), ref.split_in_two(op, a, 16, 8)), inputs)
+    whole, split = jax.jit(lambda a: (op(a, 8), ref.split_in_two(op, a, 16, 8)))(inputs)
     assert_tree_close(split, whole)
 
 

@@ -68,14 +68,9 @@ def assert_tree_close(a, b, rtol=1e-9, atol=1e-11):
     jax.tree.map(close, a, b)
 
 
-def fast(op, *static):
-    """op compiled with less optimisation (tests check numbers, not speed)."""
-    return jax.jit(op, static_argnames=static, compiler_options=ref.FAST_COMPILE)
-
-
-TTT = fast(ops.ttt_mlp, "chunk_size")
-TITANS = fast(ops.titans, "chunk_size", "read")
-ATLAS = fast(ops.atlas, "chunk_size", "read", "window", "muon_steps")
+TTT = jax.jit(ops.ttt_mlp, static_argnames=("chunk_size",))
+TITANS = jax.jit(ops.titans, static_argnames=("chunk_size", "read"))
+ATLAS = jax.jit(ops.atlas, static_argnames=("chunk_size", "read", "window", "muon_steps"))
 
 
 def value_and_vjp(fn, args, cot):
@@ -86,7 +81,7 @@ def value_and_vjp(fn, args, cot):
         out, vjp = jax.vjp(fn, *args)
         return out, vjp(cot)
 
-    return jax.jit(both, compiler_options=ref.FAST_COMPILE)(*args)
+    return jax.jit(both)(*args)
 
 
 def assert_same_vjp(fn, ref_fn, args, seed=7):
@@ -198,7 +193,7 @@ def test_online_backward_is_differentiable(name, monkeypatch):
             return sum(jnp.vdot(g, d) for g, d in pairs), out
 
         grad = jax.grad(second_order, argnums=tuple(range(len(args))), has_aux=True)
-        return jax.jit(grad, compiler_options=ref.FAST_COMPILE)
+        return jax.jit(grad)
 
     got = second_order_grad()(*args)
     with monkeypatch.context() as patch:
@@ -527,7 +522,7 @@ def test_gradient_memory_does_not_store_per_token_params():
             )  # fmt: skip
             return o.sum()
 
-        compiled = fast(jax.grad(loss)).lower(x["q"]).compile()
+        compiled = jax.jit(jax.grad(loss)).lower(x["q"]).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     # 12 more chunks store one (theta, S) each plus O(T d) activations; per-token states
