@@ -35,7 +35,8 @@ from typing import NamedTuple
 import jax
 from absl import app, flags
 
-from nested import metrics, recipes
+from nested.learn import recipes
+from nested.run import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FILE = "row.json"

@@ -25,7 +25,7 @@ import optax
 from absl import app, flags
 
 import nested as nl
-from nested.models import MemoryLM
+from nested.nn.models import MemoryLM
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "4096", "16384"], "sequence lengths T")
@@ -73,8 +73,8 @@ DEVICE_SCRIPT = """
 import json, sys
 import jax, optax
 import nested as nl
-from nested import sharding
-from nested.models import MemoryLM
+from nested.run import sharding
+from nested.nn.models import MemoryLM
 devices = int(sys.argv[1])
 memory = nl.recipes.delta(d_k=16, d_v=16)
 backbone = nl.Level("backbone",

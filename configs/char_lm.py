@@ -35,7 +35,7 @@ meta-learning: a Hope step 1.82 s -> 1.21 s here; RESULTS.md has the row).
 
 from ml_collections import config_dict
 
-from nested import config as nc
+from nested.run import config as nc
 
 SEQ_LEN = 128
 CMS_PERIODS = (16, 64, 128)  # Hope's CMS levels, fastest first; each divides the next

@@ -16,7 +16,7 @@ Variants: ``configs/continual.py:<rule>`` for any rule of ``nested.recipes.RULES
 
 from ml_collections import config_dict
 
-from nested import config as nc
+from nested.run import config as nc
 
 
 def get_config(arg=None):

@@ -26,7 +26,7 @@ Zoology's settings (for an accelerator).
 
 from ml_collections import config_dict
 
-from nested import config as nc
+from nested.run import config as nc
 
 TRAIN = ((64, 4), (64, 8), (64, 16))
 TEST = (*TRAIN, (128, 32))  # the last one: twice the trained length and pairs

@@ -16,7 +16,7 @@ Variants: ``configs/niah.py:<rule>`` for any rule of ``nested.recipes.RULES`` (d
 
 from ml_collections import config_dict
 
-from nested import config as nc
+from nested.run import config as nc
 
 
 def get_config(arg=None):

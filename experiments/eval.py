@@ -4,13 +4,13 @@ Restores the latest checkpoint of ``--workdir`` and evaluates every held-out spl
 config defaults to the one the run saved). A *memory session* continues a deployed model's
 fast-weight memory: ``--load_memory PATH`` starts from a saved memory state,
 ``--save_memory PATH`` saves the one the session ends with (the memory carries through the
-eval batches; needs a level with ``persist="stream"``). Everything is in ``nested.train``.
+eval batches; needs a level with ``persist="stream"``). Everything is in ``nested.run.train``.
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from nested import cli, train
+from nested.run import cli, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; default: the run's.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to evaluate.")

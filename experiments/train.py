@@ -3,13 +3,13 @@
 The config file (``get_config()``; ``path.py:variant`` picks a variant) declares the task,
 the model, its fast levels and the training settings; ``--config.<key>=<value>`` overrides
 any key (``--config.model.dim=128``, ``--config.levels.memory.every=16``). A workdir that
-holds checkpoints of an interrupted run resumes it. Everything is in ``nested.train``.
+holds checkpoints of an interrupted run resumes it. Everything is in ``nested.run.train``.
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from nested import cli, train
+from nested.run import cli, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, plots.")

@@ -5,11 +5,11 @@ Declare levels (objective, memory, update rule, period), compose them into a
 ``train_step`` functions that differentiate through every inner loop.
 """
 
-from nested import memories, objectives, recipes, rules
-from nested.inner import Context
-from nested.level import Level, LevelState
-from nested.scheduler import Program, State, compile
-from nested.system import NestedSystem
+from nested.core.inner import Context
+from nested.core.level import Level, LevelState
+from nested.core.scheduler import Program, State, compile
+from nested.core.system import NestedSystem
+from nested.learn import memories, objectives, recipes, rules
 
 __all__ = [
     "Context",

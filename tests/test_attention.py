@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import nested as nl
-from nested.attention import SlidingWindowAttention, rotary
-from nested.hybrid import MemoryAsGate, MemoryAsLayer
+from nested.nn.attention import SlidingWindowAttention, rotary
+from nested.nn.hybrid import MemoryAsGate, MemoryAsLayer
 
 DIM, HEADS = 8, 2
 
@@ -73,8 +73,8 @@ def test_bad_attention_settings():
 
 
 def test_adatransformer_reads_a_hebbian_memory_with_the_attention_output():
-    from nested.attention import causal_attention
-    from nested.hybrid import AdaTransformerMixer
+    from nested.nn.attention import causal_attention
+    from nested.nn.hybrid import AdaTransformerMixer
 
     d = DIM // HEADS
     level = nl.recipes.hebbian(d_k=d, d_v=d)
@@ -94,7 +94,7 @@ def test_adatransformer_reads_a_hebbian_memory_with_the_attention_output():
 
 
 def test_adatransformer_needs_head_sized_memory():
-    from nested.hybrid import AdaTransformerMixer
+    from nested.nn.hybrid import AdaTransformerMixer
 
     with pytest.raises(ValueError, match="AdaTransformer needs memory d_k == d_v == dim / heads"):
         AdaTransformerMixer(
@@ -103,7 +103,7 @@ def test_adatransformer_needs_head_sized_memory():
 
 
 def mac(window=4, persistent=3, every=2, **kwargs):
-    from nested.hybrid import MemoryAsContext
+    from nested.nn.hybrid import MemoryAsContext
 
     level = nl.recipes.titans(d_k=4, d_v=4, hidden=8, every=every)
     return MemoryAsContext(
@@ -120,7 +120,7 @@ def mac(window=4, persistent=3, every=2, **kwargs):
 def mac_by_segments(mixer, x, state):
     """Titans MAC written from its equations, one segment and one query position at a time:
     retrieve with the segment-start memory, attend over [P; h_0..h_j; x_0..x_j], write y."""
-    from nested import inner
+    from nested.core import inner
 
     B, T, _ = x.shape
     d = DIM // HEADS
@@ -193,7 +193,7 @@ def test_memory_as_context_streams_at_segment_boundaries(memory_kwargs):
 
 
 def test_bad_memory_as_context_settings():
-    from nested.models import make_mixer
+    from nested.nn.models import make_mixer
 
     with pytest.raises(ValueError, match="every=2 tokens, which does not divide the segment "):
         mac(window=5)

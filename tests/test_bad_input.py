@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested import checkpoint, data, memory_state, ops, rules, train
-from nested import config as nc
+from nested import data, ops
+from nested.learn import rules
+from nested.run import checkpoint, memory_state, train
+from nested.run import config as nc
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested import checkpoint, memory_state, train
-from nested import config as nc
+from nested.run import checkpoint, memory_state, train
+from nested.run import config as nc
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,9 +11,9 @@ import tiny_configs
 from flax import nnx
 
 import nested as nl
-from nested import config as nc
-from nested.cms import ContinuumMemory
-from nested.models import MemoryLM
+from nested.nn.cms import ContinuumMemory
+from nested.nn.models import MemoryLM
+from nested.run import config as nc
 
 VOCAB, DIM, PERIODS = 13, 8, (2, 4, 8)
 

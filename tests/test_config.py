@@ -11,10 +11,11 @@ from flax import nnx
 from ml_collections import config_dict
 from test_hope import hope_program
 
-from nested import config as nc
-from nested import data, memories, objectives, recipes
-from nested.cms import ContinuumMemory
-from nested.hope import SelfModifyingLayer
+from nested import data
+from nested.learn import memories, objectives, recipes
+from nested.nn.cms import ContinuumMemory
+from nested.nn.hope import SelfModifyingLayer
+from nested.run import config as nc
 
 CONFIGS = ["mqar", "char_lm", "niah", "continual"]
 
@@ -113,7 +114,7 @@ def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
 
 
 def test_char_lm_titans_mac_builds_memory_as_context_mixers_from_the_config():
-    from nested.hybrid import MemoryAsContext
+    from nested.nn.hybrid import MemoryAsContext
 
     config = nc.load(f"{tiny_configs.path('char_lm')}:titans_mac")
     config.model.persistent = 6

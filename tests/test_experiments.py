@@ -10,8 +10,9 @@ import time
 import pytest
 import tiny_configs
 
-from nested import config as nc
-from nested import metrics, recipes, train
+from nested.learn import recipes
+from nested.run import config as nc
+from nested.run import metrics, train
 
 ROOT = tiny_configs.ROOT
 TRAIN, EVAL = str(ROOT / "experiments" / "train.py"), str(ROOT / "experiments" / "eval.py")

@@ -1,8 +1,8 @@
 """Training processes killed (SIGKILL) at random points, during checkpoint saves too, and
 stopped by SIGTERM, resume to exactly the metrics of an uninterrupted run.
 
-Each run is a real process (a small driver around ``nested.train.train_and_evaluate`` and
-``nested.cli.user_errors``, as ``experiments/train.py`` runs it). To make a kill during a save
+Each run is a real process (a small driver around ``nested.run.train.train_and_evaluate`` and
+``nested.run.cli.user_errors``, as ``experiments/train.py`` runs it). To make a kill during a save
 certain rather than lucky, the driver can slow down the last step of every orbax save (the
 atomic rename of the finished temporary folder) by ``delay`` seconds: a save then shows a
 ``<step>.orbax-checkpoint-tmp`` folder for that long, and the test kills the process while
@@ -22,7 +22,7 @@ import time
 import pytest
 import tiny_configs
 
-from nested import metrics
+from nested.run import metrics
 
 TMP = ".orbax-checkpoint-tmp"
 COMMITTED = "commit_success.txt"  # orbax writes it into a step folder before the rename
@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from orbax.checkpoint._src.path import atomicity
     import tiny_configs
-    from nested import checkpoint, cli, metrics, train
+    from nested.run import checkpoint, cli, metrics, train
 
     workdir, delay, overrides = sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
     finalize = atomicity.AtomicRenameTemporaryPath.finalize

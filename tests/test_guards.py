@@ -6,8 +6,8 @@ import numpy as np
 import optax
 
 import nested as nl
-from nested import guards
-from nested.models import MemoryLM
+from nested.core import guards
+from nested.nn.models import MemoryLM
 
 
 def program(rule, skip=False):

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import nested as nl
-from nested.hope import SelfModifyingLayer, projection_level
-from nested.models import MemoryLM
+from nested.nn.hope import SelfModifyingLayer, projection_level
+from nested.nn.models import MemoryLM
 
 DIM, HEADS, C = 8, 2, 4
 

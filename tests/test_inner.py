@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import nested as nl
-from nested import inner
+from nested.core import inner
 
 B, H, DK, DV = 2, 2, 3, 4
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import nested as nl
-from nested import inner
-from nested.layers import MemoryLayer
+from nested.core import inner
+from nested.nn.layers import MemoryLayer
 
 DIM, HEADS = 8, 2
 

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import nested as nl
-from nested import inner, optim
+from nested.core import inner
+from nested.learn import optim
 
 
 def problem(seed=0):

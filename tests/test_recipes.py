@@ -8,8 +8,8 @@ import pytest
 import tiny_configs
 
 import nested as nl
-from nested import config as nc
-from nested import inner
+from nested.core import inner
+from nested.run import config as nc
 
 B, H, DK, DV = 2, 2, 4, 3
 

@@ -8,7 +8,7 @@ import pytest
 
 import nested as nl
 from nested.data import MQARTask
-from nested.models import MemoryLM
+from nested.nn.models import MemoryLM
 
 VOCAB = 16
 

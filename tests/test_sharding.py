@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested import metrics
+from nested.run import metrics
 
 EIGHT = "--xla_force_host_platform_device_count=8"
 MESH = {"data": 4, "model": 2, "shard_params": True}
@@ -38,8 +38,8 @@ SCRIPT = textwrap.dedent(
     import jax, optax
     import tiny_configs
     import nested as nl
-    from nested import checkpoint, config as nc, sharding, train
-    from nested.models import MemoryLM
+    from nested.run import checkpoint, config as nc, sharding, train
+    from nested.nn.models import MemoryLM
 
     def train_run(workdir, mesh):
         fields = {f"train__mesh__{k}": v for k, v in mesh.items()}

@@ -6,8 +6,8 @@ import optax
 import pytest
 
 import nested as nl
-from nested import inner
-from nested.models import MemoryLM
+from nested.core import inner
+from nested.nn.models import MemoryLM
 
 
 def fast(name="memory", every=1, **kwargs):

@@ -13,8 +13,10 @@ import pytest
 import tiny_configs
 
 import nested as nl
-from nested import checkpoint, cli, guards, metrics, recipes, train
-from nested import config as nc
+from nested.core import guards
+from nested.learn import recipes
+from nested.run import checkpoint, cli, metrics, train
+from nested.run import config as nc
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,7 +105,7 @@ def _after_step_3(monkeypatch, action):
 
 
 def _poison(out):
-    """A non-finite loss, as nested.guards flags it (and counts it in skip mode)."""
+    """A non-finite loss, as nested.core.guards flags it (and counts it in skip mode)."""
     out = {**out, "loss": out["loss"] * np.nan, "finite/loss": out["finite/loss"] < 0}
     if "skipped" in out:
         out["skipped"] = out["skipped"] + 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from nested import config as nc
+from nested.run import config as nc
 
 ROOT = Path(__file__).resolve().parents[1]
 

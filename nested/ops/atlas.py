@@ -33,11 +33,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested.memories import polynomial_features  # noqa: F401 - re-exported by nested.ops
+from nested.learn.memories import polynomial_features  # noqa: F401 - re-exported by nested.ops
+from nested.learn.rules import newton_schulz
 from nested.ops import mlp_memory as mm
 from nested.ops import neural_chunk as nc
 from nested.ops.titans import check_state
-from nested.rules import newton_schulz
 
 
 class AtlasState(NamedTuple):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from nested.memories import mlp_output
+from nested.learn.memories import mlp_output
 from nested.ops import mlp_memory as mm
 
 Array = jax.Array

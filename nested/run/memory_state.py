@@ -7,7 +7,7 @@ the next one continues every stream exactly where it stopped: the result equals 
 over both streams (``tests/test_checkpoint.py`` checks it). The slow parameters are not part
 of it; they come from the run's checkpoint.
 
-Stored atomically with :func:`nested.checkpoint.save_tree`, with the level names and the
+Stored atomically with :func:`nested.run.checkpoint.save_tree`, with the level names and the
 signature (path, shape, dtype of every leaf), so loading into another model fails clearly.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nested import checkpoint
-from nested.scheduler import level_states
+from nested.core.scheduler import level_states
+from nested.run import checkpoint
 
 
 def _levels(fast) -> list[str]:

@@ -18,8 +18,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nested.level import LevelState
-from nested.scheduler import Program, State
+from nested.core.level import LevelState
+from nested.core.scheduler import Program, State
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import optax
 from flax import struct
 
-from nested.objectives import Window
-from nested.rules import Gate, UpdateRule, as_rule
+from nested.learn.objectives import Window
+from nested.learn.rules import Gate, UpdateRule, as_rule
 
 PERSIST = ("sequence", "stream")
 READS = ("after_write", "chunk_start")
@@ -148,7 +148,7 @@ class Level:
     @property
     def is_window(self) -> bool:
         """Whether the level learns from the outer objective over its windows (a model-level
-        memory such as a CMS block, :mod:`nested.windows`) rather than from a local loss."""
+        memory such as a CMS block, :mod:`nested.core.windows`) rather than from a local loss."""
         return isinstance(self.objective, Window)
 
     @property

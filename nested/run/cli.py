@@ -9,7 +9,7 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
   here it becomes ``error: --config.model.dimm: config.model has no key 'dimm'; allowed:
   [...]``.
 * :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
-  run stopped by SIGTERM (:class:`nested.train.Stopped`, after its checkpoint) into one line
+  run stopped by SIGTERM (:class:`nested.run.train.Stopped`, after its checkpoint) into one line
   and exit status 143 (128 + SIGTERM), as a process killed by the signal would report.
 """
 
@@ -23,10 +23,10 @@ from collections.abc import Iterator, Sequence
 from absl import flags
 from ml_collections import config_dict
 
-from nested import config as config_lib
-from nested.checkpoint import CheckpointError
-from nested.guards import NonFiniteError
-from nested.train import Stopped
+from nested.core.guards import NonFiniteError
+from nested.run import config as config_lib
+from nested.run.checkpoint import CheckpointError
+from nested.run.train import Stopped
 
 USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError)
 CONFIG_FLAG = "config"

@@ -5,7 +5,7 @@
 * ``init(rng, batch_size=None) -> State``: the outermost level's model and optimizer state
   (and, with a batch size, the carried fast state of every memory);
 * ``apply(params, inputs, fast=None) -> (logits, fast)``: a forward pass over a sequence that
-  runs every fast level's inner loop (``lax.scan`` over its chunks, see :mod:`nested.inner`)
+  runs every fast level's inner loop (``lax.scan`` over its chunks, see :mod:`nested.core.inner`)
   and returns the final fast states, so a stream can be processed in pieces;
 * ``train_step(state, batch) -> (state, metrics)``: one update of the outermost level, its
   objective differentiated with ``jax.value_and_grad`` through every inner loop, so the outer
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from nested import guards, windows
-from nested.level import LevelState
-from nested.system import NestedSystem
+from nested.core import guards, windows
+from nested.core.level import LevelState
+from nested.core.system import NestedSystem
 
 
 @struct.dataclass
@@ -134,7 +134,7 @@ class Program:
     def apply(self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None):
         """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh).
 
-        Model-level levels (CMS blocks, :mod:`nested.windows`) learn only when ``targets``
+        Model-level levels (CMS blocks, :mod:`nested.core.windows`) learn only when ``targets``
         (and optionally ``mask``) are given; without them they read their current state.
         """
         if fast is None:
@@ -157,7 +157,7 @@ class Program:
         """One step of the outermost level through every inner loop.
 
         Metrics include ``finite/loss``, ``finite/grads`` and ``finite/<level>`` flags
-        (:mod:`nested.guards`); with ``skip_nonfinite`` a step with any non-finite quantity
+        (:mod:`nested.core.guards`); with ``skip_nonfinite`` a step with any non-finite quantity
         leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
         """
         fast = None
@@ -195,7 +195,7 @@ def compile(system: NestedSystem, *, skip_nonfinite: bool = False) -> Program:  
     """Compile ``system`` into a :class:`Program` (validates the model against the levels).
 
     ``skip_nonfinite``: a step whose loss, gradients or fast states are not finite keeps the
-    previous state instead of applying the update (see :mod:`nested.guards`).
+    previous state instead of applying the update (see :mod:`nested.core.guards`).
     """
     if not isinstance(system, NestedSystem):
         raise ValueError(f"compile() takes a nested.NestedSystem, got {type(system).__name__}")

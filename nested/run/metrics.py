@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
 
 TIMING_KEYS = ("tokens_per_s", "seconds")
-CHECKS_PREFIX = "finite/"  # per-step health flags (nested.guards): checked, not logged
+CHECKS_PREFIX = "finite/"  # per-step health flags (nested.core.guards): checked, not logged
 TRAIN = "train"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"

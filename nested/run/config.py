@@ -17,7 +17,7 @@ or task is available to every config without editing one:
   ``projections``);
 * ``optimizer.name`` -> :data:`OPTIMIZERS`, the outermost level's update rule;
 * ``train``: the loop's settings (:data:`TRAIN_DEFAULTS`), with ``train.mesh``, how the run is
-  spread over the devices (:data:`MESH_DEFAULTS`, :mod:`nested.sharding`).
+  spread over the devices (:data:`MESH_DEFAULTS`, :mod:`nested.run.sharding`).
 
 So ``--config.levels.memory.every=16`` turns the online delta rule into mini-batch TTT.
 :func:`build` validates the whole config before anything is compiled and raises
@@ -41,13 +41,15 @@ from typing import Any, NamedTuple
 import optax
 from ml_collections import config_dict
 
-from nested import data, hope, memories, objectives, recipes
-from nested.hybrid import MemoryAsContext
-from nested.layers import MemoryLayer
-from nested.level import Level
-from nested.models import MemoryLM
-from nested.scheduler import Program, compile
-from nested.system import NestedSystem
+from nested import data
+from nested.core.level import Level
+from nested.core.scheduler import Program, compile
+from nested.core.system import NestedSystem
+from nested.learn import memories, objectives, recipes
+from nested.nn import hope
+from nested.nn.hybrid import MemoryAsContext
+from nested.nn.layers import MemoryLayer
+from nested.nn.models import MemoryLM
 
 OUTER = "model"  # name of the outermost level
 SECTIONS = ("seed", "task", "model", "levels", "optimizer", "train")
@@ -71,7 +73,7 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         "skip_nonfinite": False,  # a non-finite step keeps the previous state (else: stop)
     }
 )
-# train.mesh (nested.sharding): `data` devices split the batch (0: every device not on
+# train.mesh (nested.run.sharding): `data` devices split the batch (0: every device not on
 # `model`), `model` devices split the memory heads; `shard_params` splits the slow parameters
 # along `data` too (else they are replicated).
 MESH_DEFAULTS = types.MappingProxyType({"data": 0, "model": 1, "shard_params": False})
@@ -114,7 +116,7 @@ def cms(
     momentum: float = 0.0,
     **level_kwargs,
 ) -> Level:
-    """A Continuum Memory System block (:mod:`nested.cms`): an MLP ``d_k -> d_v`` (hidden
+    """A Continuum Memory System block (:mod:`nested.nn.cms`): an MLP ``d_k -> d_v`` (hidden
     ``4 d_k`` by default) that learns from the outer loss over its window every ``every``
     tokens, by SGD of constant step ``lr`` (and ``momentum``; 0 for none)."""
     return Level(
@@ -136,7 +138,7 @@ def projections(
     lr_scale: float | None = None,
     **level_kwargs,
 ) -> Level:
-    """Hope's projection level (:func:`nested.hope.projection_level`: step size in ``(0,
+    """Hope's projection level (:func:`nested.nn.hope.projection_level`: step size in ``(0,
     lr_scale)``, default ``1 / (dim * every)``), ``dim -> dim`` (``d_k == d_v == dim``),
     updated every ``every`` tokens on self-generated targets."""
     if d_k != d_v:

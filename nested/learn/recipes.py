@@ -4,7 +4,7 @@ Each recipe returns a :class:`nested.Level` named ``name`` with the rule's memor
 update rule; extra keyword arguments (``every``, ``persist``, ``read``, ``chunk``, ``truncate``)
 go to the level. ``RULES`` maps rule names to recipes so configs can choose a rule by name.
 A recipe may attach a ``fast`` form (closed form, chunkwise parallel, :mod:`nested.ops`); the
-generic path (:func:`nested.inner.run_generic`) is the definition it must agree with.
+generic path (:func:`nested.core.inner.run_generic`) is the definition it must agree with.
 
 Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
 
@@ -41,9 +41,11 @@ import math
 from collections.abc import Callable
 from functools import partial
 
-from nested import inner, memories, objectives, ops, rules
-from nested.level import Level, LevelState
-from nested.rules import Gate
+from nested import ops
+from nested.core import inner
+from nested.core.level import Level, LevelState
+from nested.learn import memories, objectives, rules
+from nested.learn.rules import Gate
 
 
 def _fast_linear(op: Callable, *, any_period: bool = False) -> Callable:
@@ -137,7 +139,7 @@ def _network(memory) -> dict:
 def _fast_neural(op: Callable, *, reads=("after_write", "chunk_start")) -> Callable:
     """A fast form for a neural memory, ``op(level, params, momentum, ctx) -> (o, params,
     momentum)`` with the ops' layer layout (a windowed op also takes and returns the window
-    buffer of :func:`nested.inner.initial_state` as ``window=``); truncated levels and reads
+    buffer of :func:`nested.core.inner.initial_state` as ``window=``); truncated levels and reads
     the op lacks run the generic path."""
 
     def fast(level: Level, state: LevelState, ctx: inner.Context):
@@ -402,7 +404,7 @@ def atlas(
 
 
 # What a rule needs from the layer that owns it: Falcon writes the key aligned one step back,
-# x_t = k_{t-1} (keyword arguments of nested.layers.MemoryLayer).
+# x_t = k_{t-1} (keyword arguments of nested.nn.layers.MemoryLayer).
 LAYER_OPTIONS: dict[str, dict] = {"falcon": {"key_shift": True}}
 
 RULES: dict[str, Callable[..., Level]] = {

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nested.level import LevelState
+from nested.core.level import LevelState
 
 PREFIX = "finite/"
 

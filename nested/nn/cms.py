@@ -4,7 +4,7 @@ A chain of residual MLP blocks, ``x <- x + MLP_{theta_j}(norm_j(x))`` for ``j = 
 block ``j`` is a fast level updated every ``C_j`` tokens (``C_1 | C_2 | ... | C_K``) from the
 gradients it accumulated over its window: the level's objective is the outer loss restricted
 to the window (:class:`nested.objectives.Window`, dynamic evaluation; see
-:mod:`nested.windows`), its update rule any optax transformation (no per-token gates). Between
+:mod:`nested.core.windows`), its update rule any optax transformation (no per-token gates). Between
 updates a block is a plain MLP; its initial parameters ``theta_j^0`` are slow parameters the
 outer level meta-learns through every update.
 """
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested import windows
-from nested.layers import initial_memories, per_sequence
-from nested.level import Level, LevelState
+from nested.core import windows
+from nested.core.level import Level, LevelState
+from nested.nn.layers import initial_memories, per_sequence
 
 
 def _reads_rows(memory, dim: int) -> bool:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested.rules import Gate
+from nested.learn.rules import Gate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Window:
     A fast level with this objective is a *model-level* level: its memory is part of the model
     (e.g. a CMS block), the model runs window by window, and after each window the level takes
     the gradient of the window's summed token losses ``sum_t token_loss_t`` with respect to its
-    parameters (see :mod:`nested.windows`). ``token_loss(logits, batch) -> (B, T)``.
+    parameters (see :mod:`nested.core.windows`). ``token_loss(logits, batch) -> (B, T)``.
     """
 
     token_loss: Any = token_cross_entropy

@@ -3,11 +3,11 @@
 One linear loop over outer steps, read top to bottom:
 
 1. **Build**: validate the config and build the task, nested system and program
-   (:func:`nested.config.build`; a bad config raises before anything is compiled), and the
+   (:func:`nested.run.config.build`; a bad config raises before anything is compiled), and the
    device mesh of ``train.mesh`` (:func:`make_layout`).
 2. **State**: initialise it on the mesh, or resume from the latest readable checkpoint of
    ``<workdir>/checkpoints`` (state, data position and unfinished log window; see
-   :mod:`nested.checkpoint`), whatever mesh it was saved from.
+   :mod:`nested.run.checkpoint`), whatever mesh it was saved from.
 3. **Loop**: each call of one jitted function runs ``train.steps_per_call`` outer steps, a
    ``lax.scan`` of ``Program.train_step`` over stacked batches. Between calls, on the host:
    the non-finite check, a log record every ``log_every`` steps (means over the window), an
@@ -21,7 +21,7 @@ position is the next ``i`` and a resumed run sees the batches an uninterrupted o
 on CPU it reproduces the uninterrupted run's metrics exactly, however often it was killed.
 
 **Devices.** One code path for 1 or N devices: the state is created and kept with the
-shardings of :mod:`nested.sharding` (batches and carried fast states split along ``data``,
+shardings of :mod:`nested.run.sharding` (batches and carried fast states split along ``data``,
 memory heads along ``model`` where they divide, slow parameters replicated or, with
 ``train.mesh.shard_params``, split), every jitted function takes and returns those shardings,
 and XLA inserts the collectives. On N devices the losses equal one device's up to float
@@ -48,10 +48,12 @@ from absl import logging
 from ml_collections import config_dict
 from tqdm import tqdm
 
-from nested import checkpoint, data, guards, memory_state, metrics, sharding
-from nested import config as config_lib
-from nested.config import ConfigError, Experiment
-from nested.scheduler import Program, State
+from nested import data
+from nested.core import guards
+from nested.core.scheduler import Program, State
+from nested.run import checkpoint, memory_state, metrics, sharding
+from nested.run import config as config_lib
+from nested.run.config import ConfigError, Experiment
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -317,7 +319,7 @@ def _sigterm_requests() -> Iterator[threading.Event]:
 
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> dict:
     """Train the system of ``config`` in ``workdir`` (resuming if it holds checkpoints),
-    evaluate it, plot the curves and return the summary (see :func:`nested.metrics.summary`).
+    evaluate it, plot the curves and return the summary (see :func:`nested.run.metrics.summary`).
 
     Raises :class:`Stopped` after saving a checkpoint when the process receives SIGTERM.
     """
@@ -427,7 +429,7 @@ _OUTER = ("loss", "grads")  # the outer level's health flags; the others name fa
 
 
 def _checked(values: dict[str, float], step: int) -> dict[str, float]:
-    """One step's metrics, after the health flags of :mod:`nested.guards` are checked: a
+    """One step's metrics, after the health flags of :mod:`nested.core.guards` are checked: a
     non-finite step stops the run, unless the program skips such steps (``skipped = 1``)."""
     message = guards.failure(values, step)
     if message is not None and not values.get("skipped"):
@@ -488,7 +490,7 @@ def evaluate_workdir(
     or ``save_memory`` the evaluation is a *session*: the carried fast state starts from the
     memory state saved at ``load_memory`` (else the checkpoint's), carries through every
     eval batch, and is saved at ``save_memory`` when the session ends
-    (:mod:`nested.memory_state`). Returns the summary and writes ``eval.json``.
+    (:mod:`nested.run.memory_state`). Returns the summary and writes ``eval.json``.
     """
     workdir = Path(workdir)
     exp = config_lib.build(config if config is not None else load_workdir_config(workdir))

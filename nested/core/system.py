@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from nested.level import Level
+from nested.core.level import Level
 
 
 class NestedSystem:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested.level import Level, LevelState
+from nested.core.level import Level, LevelState
 
 
 class WindowCache(NamedTuple):

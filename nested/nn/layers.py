@@ -7,7 +7,7 @@ over the sequence, and maps the reads back to the model width. Everything it hol
 by the outer level through the inner loop.
 
 Layers are pure with respect to fast state: ``layer(x, state) -> (y, state)``, where ``state``
-is a :class:`nested.level.LevelState` with leading ``(B, H)`` dims; ``layer.initial_state(B)``
+is a :class:`nested.core.level.LevelState` with leading ``(B, H)`` dims; ``layer.initial_state(B)``
 builds the state a sequence starts from (differentiable in ``theta_0``).
 """
 
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested import inner
-from nested.level import Level, LevelState
+from nested.core import inner
+from nested.core.level import Level, LevelState
 
 
 class ShortConv(nnx.Module):
@@ -80,7 +80,7 @@ class MemoryLayer(nnx.Module):
         ``x_t = k_{t-1}`` (Falcon's temporal alignment: predict the next latent).
       turn: MemT turn semantics with turns of ``turn`` tokens: every token of a turn reads
         the memory snapshot taken at the start of the turn; the turn is written token by
-        token afterwards (:func:`nested.inner.run_turns`).
+        token afterwards (:func:`nested.core.inner.run_turns`).
       experts: Mixture-of-Storage (MemT): ``experts`` memories per head sharing the head's
         keys, values and queries, each with its own gates, combined by dense learned routing:
         the write gate ``write_gate`` of expert ``e`` is scaled by ``softmax_e(W_w x_t)`` and

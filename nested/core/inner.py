@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested.level import Level, LevelState
+from nested.core.level import Level, LevelState
 
 DEFAULT_BLOCK_TOKENS = 64
 

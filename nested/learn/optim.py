@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested import inner, memories, objectives, rules
-from nested.level import Level, LevelState
+from nested.core import inner
+from nested.core.level import Level, LevelState
+from nested.learn import memories, objectives, rules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Models are pure in their fast state, like the layers they are built from:
 ``model(tokens, fast) -> (logits, fast)`` and ``model.initial_fast(B)`` gives the fast state a
-sequence starts from (a pytree of :class:`nested.level.LevelState`, one per memory layer).
+sequence starts from (a pytree of :class:`nested.core.level.LevelState`, one per memory layer).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
-from nested.cms import ContinuumMemory
-from nested.hope import SelfModifyingLayer
-from nested.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
-from nested.layers import MemoryLayer
-from nested.level import Level
+from nested.core.level import Level
+from nested.nn.cms import ContinuumMemory
+from nested.nn.hope import SelfModifyingLayer
+from nested.nn.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
+from nested.nn.layers import MemoryLayer
 
 
 class MLPBlock(nnx.Module):
@@ -108,7 +108,7 @@ class MemoryLM(nnx.Module):
     ``mlp_ratio=0`` drops the MLP blocks; ``cms`` (levels, fastest first) replaces each MLP by
     a Continuum Memory System; ``projections`` is the projection level of the self-modifying
     (Hope) mixer. Other keyword arguments go to the memory layers
-    (:class:`nested.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``, ``experts``...).
+    (:class:`nested.nn.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``, ``experts``...).
     """
 
     def __init__(

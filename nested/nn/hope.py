@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested import inner, recipes, rules
-from nested.layers import ShortConv, initial_memories, l2_normalize, per_sequence
-from nested.level import Level
+from nested.core import inner
+from nested.core.level import Level
+from nested.learn import recipes, rules
+from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
 
 
 class SelfModifyingLayer(nnx.Module):

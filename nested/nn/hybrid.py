@@ -14,7 +14,7 @@ three ways, each a token mixer ``mixer(x, state) -> (y, state)`` with state
 * :class:`MemoryAsLayer` (MAL): the memory first, attention on its output,
   ``y = SWA(x + M(x))``.
 
-The memory branch is a :class:`nested.layers.MemoryLayer`, so any fast level (Titans, TTT,
+The memory branch is a :class:`nested.nn.layers.MemoryLayer`, so any fast level (Titans, TTT,
 DeltaNet...) can be the memory.
 
 :class:`AdaTransformerMixer` is the example of the Nested Learning paper (seed 001): a
@@ -32,16 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nested import inner
-from nested.attention import (
+from nested.core import inner
+from nested.core.level import Level
+from nested.nn.attention import (
     SlidingWindowAttention,
     attend,
     causal_attention,
     initial_cache,
     rotary,
 )
-from nested.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
-from nested.level import Level
+from nested.nn.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
 
 
 class _Hybrid(nnx.Module):

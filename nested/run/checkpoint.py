@@ -28,7 +28,7 @@ unfinished log window).
   saved on 8 devices restores on 1 and the other way round.
 
 :func:`save_tree` / :func:`load_tree` store one pytree atomically (used by
-:mod:`nested.memory_state`). Typed PRNG keys are stored as their key data and re-wrapped.
+:mod:`nested.run.memory_state`). Typed PRNG keys are stored as their key data and re-wrapped.
 """
 
 from __future__ import annotations

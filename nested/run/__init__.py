@@ -1,0 +1,2 @@
+"""Running experiments: configs, the training loop, checkpoints, memory sessions, metrics,
+sharding and the command-line helpers."""
