@@ -181,7 +181,7 @@ def _error(config) -> str:
 
 def test_unknown_rule_names_the_key_and_the_registered_rules():
     message = _error(tiny_configs.config("mqar", levels__memory__rule="detla"))
-    allowed = sorted([*recipes.RULES, *nc.LEVELS])
+    allowed = sorted([*recipes.RULES, *recipes.LEVELS])
     assert message == f"levels.memory.rule='detla' is unknown; allowed: {allowed}"
 
 

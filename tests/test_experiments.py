@@ -11,7 +11,6 @@ import pytest
 import tiny_configs
 
 from nested.learn import recipes
-from nested.run import config as nc
 from nested.run import metrics, train
 
 ROOT = tiny_configs.ROOT
@@ -111,7 +110,7 @@ BAD_INPUTS = {
     "unknown rule": (
         ["--config.levels.memory.rule=detla"],
         "error: levels.memory.rule='detla' is unknown; allowed: "
-        f"{sorted({*recipes.RULES, *nc.LEVELS})}",
+        f"{sorted({*recipes.RULES, *recipes.LEVELS})}",
     ),
     "unknown variant": (
         [f"--config={tiny_configs.path('mqar')}:detla"],

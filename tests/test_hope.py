@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import nested as nl
-from nested.nn.hope import SelfModifyingLayer, projection_level
+from nested.nn.hope import SelfModifyingLayer
 from nested.nn.models import MemoryLM
 
 DIM, HEADS, C = 8, 2, 4
@@ -16,7 +16,7 @@ DIM, HEADS, C = 8, 2, 4
 
 def make_layer(every=1, conv=4, lr_scale=None, memory=None):
     memory = memory or nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, every=every)
-    projections = projection_level(DIM, C, lr_scale=lr_scale)
+    projections = nl.recipes.projections(d_k=DIM, d_v=DIM, every=C, lr_scale=lr_scale)
     return SelfModifyingLayer(
         memory, projections=projections, dim=DIM, heads=HEADS, conv=conv, rngs=nnx.Rngs(0)
     )
@@ -63,7 +63,7 @@ def test_streaming_at_chunk_boundaries(memory):
 
 def hope_program(vocab=11):
     memory = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS)
-    projections = projection_level(DIM, C)
+    projections = nl.recipes.projections(d_k=DIM, d_v=DIM, every=C)
     cms = [
         nl.Level(
             f"cms{c}",

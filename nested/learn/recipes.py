@@ -41,6 +41,8 @@ import math
 from collections.abc import Callable
 from functools import partial
 
+import optax
+
 from nested import ops
 from nested.core import inner
 from nested.core.level import Level, LevelState
@@ -403,6 +405,61 @@ def atlas(
     )
 
 
+def cms(
+    name: str = "cms",
+    *,
+    d_k: int,
+    d_v: int,
+    every: int,
+    hidden: int | None = None,
+    lr: float = 0.01,
+    momentum: float = 0.0,
+    **level_kwargs,
+) -> Level:
+    """A Continuum Memory System block (:mod:`nested.nn.cms`): an MLP ``d_k -> d_v`` (hidden
+    ``4 d_k`` by default) that learns from the outer loss over its window every ``every``
+    tokens, by SGD of constant step ``lr`` (and ``momentum``; 0 for none)."""
+    return Level(
+        name,
+        memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k),
+        objective=objectives.window,
+        update=optax.sgd(lr, momentum=momentum or None),
+        every=every,
+        **level_kwargs,
+    )
+
+
+def projections(
+    name: str = "projections",
+    *,
+    d_k: int,
+    d_v: int,
+    every: int = 16,
+    lr_scale: float | None = None,
+    **level_kwargs,
+) -> Level:
+    """Hope's projection memories (:class:`nested.nn.hope.SelfModifyingLayer`): linear
+    ``dim -> dim`` (``d_k == d_v == dim``), one SGD step on ``1/2 |P x - P v|^2`` per chunk of
+    ``every`` tokens with a learned step size ``beta`` in ``(0, lr_scale)``: the mini-batch
+    delta rule on self-generated targets.
+
+    Default ``lr_scale = 1 / (dim * every)``: a chunk's summed gradient has curvature up to
+    ``every * |x|^2 = every * dim`` for RMS-normalised inputs, so any step in the range is
+    stable (a range of (0, 1) diverges at the first step of a width-128 model on text).
+    """
+    if d_k != d_v:
+        raise ValueError(f"projections map dim -> dim: d_k={d_k} and d_v={d_v} must be equal")
+    scale = 1.0 / (d_k * every) if lr_scale is None else lr_scale
+    return Level(
+        name,
+        memory=memories.Linear(d_k, d_v),
+        objective=objectives.l2,
+        update=rules.gradient_descent("beta", gate_kinds=bounded_lr(scale, 0.01 * scale)),
+        every=every,
+        **level_kwargs,
+    )
+
+
 # What a rule needs from the layer that owns it: Falcon writes the key aligned one step back,
 # x_t = k_{t-1} (keyword arguments of nested.nn.layers.MemoryLayer).
 LAYER_OPTIONS: dict[str, dict] = {"falcon": {"key_shift": True}}
@@ -418,3 +475,11 @@ RULES: dict[str, Callable[..., Level]] = {
     "titans": titans,
     "atlas": atlas,
 }
+# Levels a model can hold besides the token-mixing memory rules, by name: CMS blocks and
+# Hope's projections.
+LEVELS: dict[str, Callable[..., Level]] = {"cms": cms, "projections": projections}
+
+
+def named() -> dict[str, Callable[..., Level]]:
+    """Every level recipe a config can name (read at call time: later registrations count)."""
+    return {**RULES, **LEVELS}

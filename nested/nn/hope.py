@@ -22,15 +22,12 @@ by the outer level (no stop-gradient through the writes).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
 from nested.core.level import Level
-from nested.learn import recipes, rules
 from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
 
 
@@ -149,21 +146,3 @@ class SelfModifyingLayer(nnx.Module):
         if self.gate_out is not None:
             o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)
         return self.out(o.reshape(B, T, -1)), state
-
-
-def projection_level(
-    dim: int, every: int, *, name: str = "projections", lr_scale: float | None = None
-) -> Level:
-    """The projection memories of a self-modifying layer: linear ``dim -> dim``, one SGD step
-    on ``1/2 |P x - P v|^2`` per chunk of ``every`` tokens with a learned step size ``beta``
-    in ``(0, lr_scale)`` (the delta rule in mini-batches, so the chunkwise form of
-    :func:`nested.ops.ttt_linear` runs it).
-
-    Default ``lr_scale = 1 / (dim * every)``: a chunk's summed gradient has curvature up to
-    ``every * |x|^2 = every * dim`` for RMS-normalised inputs, so any step in the range is
-    stable (a range of (0, 1) diverges at the first step of a width-128 model on text).
-    """
-    scale = 1.0 / (dim * every) if lr_scale is None else lr_scale
-    level = recipes.delta(name, d_k=dim, d_v=dim, every=every)
-    update = rules.gradient_descent("beta", gate_kinds=recipes.bounded_lr(scale, 0.01 * scale))
-    return dataclasses.replace(level, update=update)

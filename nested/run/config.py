@@ -9,7 +9,7 @@ or task is available to every config without editing one:
   the mixer's level, ``projections``, the projection level of the self-modifying mixer, and
   ``cms``, a tuple of CMS levels) hold names of ``levels`` entries;
 * ``levels.<name>.rule`` -> :data:`nested.recipes.RULES` (the token-mixing memory rules) or
-  :data:`LEVELS` (the other levels a model can hold: ``cms`` blocks, Hope's
+  :data:`nested.recipes.LEVELS` (the other levels a model can hold: ``cms`` blocks, Hope's
   ``projections``), looked up when the config is built, so a rule registered there is usable
   at once; the other keys are the recipe's hyperparameters and the :class:`nested.Level`
   fields (``every``, ``persist``, ``chunk``, ...), plus ``owner`` (the slower level producing
@@ -45,8 +45,7 @@ from nested import data
 from nested.core.level import Level
 from nested.core.scheduler import Program, compile
 from nested.core.system import NestedSystem
-from nested.learn import memories, objectives, recipes
-from nested.nn import hope
+from nested.learn import objectives, recipes
 from nested.nn.hybrid import MemoryAsContext
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
@@ -100,60 +99,6 @@ RULE_KEYS = frozenset(key for options in recipes.LAYER_OPTIONS.values() for key 
 
 class ConfigError(ValueError):
     """An invalid config; the message names the key and the allowed values."""
-
-
-# -- level recipes that are not memory rules --------------------------------------------------
-
-
-def cms(
-    name: str = "cms",
-    *,
-    d_k: int,
-    d_v: int,
-    every: int,
-    hidden: int | None = None,
-    lr: float = 0.01,
-    momentum: float = 0.0,
-    **level_kwargs,
-) -> Level:
-    """A Continuum Memory System block (:mod:`nested.nn.cms`): an MLP ``d_k -> d_v`` (hidden
-    ``4 d_k`` by default) that learns from the outer loss over its window every ``every``
-    tokens, by SGD of constant step ``lr`` (and ``momentum``; 0 for none)."""
-    return Level(
-        name,
-        memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k),
-        objective=objectives.window,
-        update=optax.sgd(lr, momentum=momentum or None),
-        every=every,
-        **level_kwargs,
-    )
-
-
-def projections(
-    name: str = "projections",
-    *,
-    d_k: int,
-    d_v: int,
-    every: int = 16,
-    lr_scale: float | None = None,
-    **level_kwargs,
-) -> Level:
-    """Hope's projection level (:func:`nested.nn.hope.projection_level`: step size in ``(0,
-    lr_scale)``, default ``1 / (dim * every)``), ``dim -> dim`` (``d_k == d_v == dim``),
-    updated every ``every`` tokens on self-generated targets."""
-    if d_k != d_v:
-        raise ValueError(f"projections map dim -> dim: d_k={d_k} and d_v={d_v} must be equal")
-    level = hope.projection_level(d_k, every, name=name, lr_scale=lr_scale)
-    return dataclasses.replace(level, **level_kwargs)
-
-
-# Levels a config can declare besides the memory rules of recipes.RULES, by name.
-LEVELS: dict[str, Callable[..., Level]] = {"cms": cms, "projections": projections}
-
-
-def _recipes() -> dict[str, Callable[..., Level]]:
-    """Every level recipe a config can name (read at call time: later registrations count)."""
-    return {**recipes.RULES, **LEVELS}
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -269,7 +214,7 @@ def _configurable(fn: Callable, skip: Sequence[str]) -> dict[str, tuple[Any, typ
 
 
 def _level_fields(rule: str) -> dict[str, tuple[Any, type | None]]:
-    recipe = _lookup("levels.*.rule", rule, _recipes())
+    recipe = _lookup("levels.*.rule", rule, recipes.named())
     fields = {"rule": (rule, str), "owner": (None, str)}
     fields.update(_configurable(recipe, skip=("name",)))
     if _parameters(recipe)[2]:
@@ -480,7 +425,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
                 f"{[f'model.{s}' for s in slots]} to {name!r}"
             )
         rule = section.get("rule")
-        _lookup(f"{key}.rule", rule, _recipes())
+        _lookup(f"{key}.rule", rule, recipes.named())
         fields = _level_fields(rule)
         values = _check_keys(key, section, fields)
         _check_period(key, values, task)
@@ -492,7 +437,7 @@ def _make_levels(config, model: Mapping[str, Any], entry: ModelEntry, task: data
             values["d_v"] = values.get("d_v") or d_v
         _required(key, values, fields)
         values = {k: v for k, v in values.items() if v is not None}
-        level = _wrapped(key, _recipes()[rule], name, **values)
+        level = _wrapped(key, recipes.named()[rule], name, **values)
         if level.is_window and task.seq_len % level.every:
             raise ConfigError(
                 f"{key}.every={level.every} does not divide the task's sequence length "
