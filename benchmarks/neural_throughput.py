@@ -1,12 +1,14 @@
 """Forward+backward throughput of the Type II ops (TTT-MLP, Titans, ATLAS) on this machine.
 
-    .venv/bin/python benchmarks/neural_throughput.py [--T 1024] [--runs 5] [--peers]
+    .venv/bin/python benchmarks/neural_throughput.py [--T 1024] [--runs 5] [--peers] [--rounds 3]
+    .venv/bin/python benchmarks/neural_throughput.py --T 64 --runs 1 --only "TTT-MLP C=16"
 
-Prints one markdown table. Shapes: B=4, H=4, d_k=d_v=64, depth-2 memory 64 -> 256 -> 64 per
-head, float32. tokens/s = B*T / median seconds after a warm-up call, for the jitted forward
-(loss = sum of outputs) and forward+backward (gradient w.r.t. q, k, v, every gate and the
-initial state). ``bwd/fwd`` is the cost of forward+backward over the forward alone, the median
-of ratios of the two timed back to back (the calls alternate); ``temp MB``
+Prints one markdown table (two with ``--peers``) and writes them into this benchmark's section
+of benchmarks/README.md (``--no-write``: printed only). Shapes: B=4, H=4, d_k=d_v=64, depth-2
+memory 64 -> 256 -> 64 per head, float32. tokens/s = B*T / median seconds after a warm-up call,
+for the jitted forward (loss = sum of outputs) and forward+backward (gradient w.r.t. q, k, v,
+every gate and the initial state). ``bwd/fwd`` is the cost of forward+backward over the forward
+alone, the median of ratios of the two timed back to back (the calls alternate); ``temp MB``
 the compiled forward+backward's temporary memory. ``C=1`` rows are the per-token (online)
 recurrence, every token's gradient at the state before it (a scan over tokens, blocks of 16,
 with the hand-written backward of ``nested.ops.online``).
@@ -18,10 +20,10 @@ ATLAS rows use window 4 and degree-2 polynomial key features (memory input 128).
 
 --rounds R repeats every measurement R times and reports medians; against the peers each
 round's ratio is taken from figures measured minutes apart, and the table shows the median
-ratio with its range over the rounds (this machine's throughput drifts by 25% between runs).
+ratio with its range over the rounds (a shared machine's throughput drifts between runs).
 
---peers runs /work/shared/peers/bench_peers.py (titans-pytorch NeuralMemory, depth-2 MLP memory,
-chunk-start reads) with the interpreter ``bash /work/shared/peers/setup.sh`` prints, and adds
+--peers runs ../shared/peers/bench_peers.py (titans-pytorch NeuralMemory, depth-2 MLP memory,
+chunk-start reads) with the interpreter ``bash ../shared/peers/setup.sh`` prints, and adds
 its rows with our ratio against them. Compare only within one run: the machine is shared.
 """
 
@@ -32,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import report
 import timing
 
 from nested import ops
@@ -115,6 +118,7 @@ def main():
     parser.add_argument("--peers", action="store_true", help="also run titans-pytorch")
     parser.add_argument("--rounds", type=int, default=1, help="measure everything this often")
     parser.add_argument("--only", default="", help="run only rows whose label contains this")
+    report.add_flag(parser)
     args = parser.parse_args()
     t = args.T
     rows = [  # label, op, chunk, T, config
@@ -128,7 +132,7 @@ def main():
         *[(f"ATLAS+Muon(5) C={c}", "atlas", c, args.muon_T, {"muon_steps": 5}) for c in (16, 1)],
     ]
     rows = [row for row in rows if args.only in row[0]]
-    gflops = timing.matmul_gflops()
+    out = report.Report("neural_throughput")
     rounds = []  # per round: label -> measure(), and the peers' tokens/s
     for r in range(args.rounds):
         results = {}
@@ -140,42 +144,48 @@ def main():
     median = lambda values: float(np.median(values))
     stat = lambda label, key: median([res[label][key] for res, _ in rounds])
 
-    print(f"\nB={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32, {jax.devices()[0]},", end="")
-    print(f" jax {jax.__version__}; 2048^2 matmul: {gflops:.0f} GFLOP/s (JAX)", end="")
-    torch_gflops = rounds[-1][1]["torch_matmul_gflops"] if args.peers else None
-    print(f", {torch_gflops:.0f} GFLOP/s (torch)" if args.peers else "")
+    settings = f"B={B}, H={H}, d={D}, memory {D}->{HIDDEN}->{D}, float32"
+    if args.peers:
+        settings += f"; torch 2048^2 matmul {rounds[-1][1]['torch_matmul_gflops']:.0f} GFLOP/s"
+    out.print(settings)
     if args.rounds > 1:
-        print(f"Medians over {args.rounds} rounds (each round measures every row, then the peers).")
-    print()
-    print("| row | T | fwd tok/s | fwd+bwd tok/s | bwd/fwd | temp MB | vs per-token |")
-    print("| --- | --: | --: | --: | --: | --: | --: |")
+        out.print(
+            f"Medians over {args.rounds} rounds (each round measures every row, then the peers)."
+        )
+    out.print()
+    out.print("| row | T | fwd tok/s | fwd+bwd tok/s | bwd/fwd | temp MB | vs per-token |")
+    out.print("| --- | --: | --: | --: | --: | --: | --: |")
     for label, _, _, length, _ in rows:
         base = label.rsplit("C=", 1)[0] + "C=1"
         speedup = "-"
         if base in rounds[0][0]:
             speedup = f"{stat(label, 'fwd_bwd') / stat(base, 'fwd_bwd'):.1f}x"
-        print(
+        out.print(
             f"| {label} | {length} | {stat(label, 'fwd'):.0f} | {stat(label, 'fwd_bwd'):.0f} | "
             f"{stat(label, 'ratio'):.2f} | {stat(label, 'temp') / 2**20:.0f} | {speedup} |"
         )
-    if not args.peers:
-        return
-    # Ratios are taken round by round (ours and theirs minutes apart), then summarised.
-    print("\n| titans-pytorch (fwd+bwd) | tok/s | ours after-write | ratio | ours chunk-start |"
-          " ratio |")  # fmt: skip
-    print("| --- | --: | --: | --: | --: | --: |")
-    for c in (16, 64):
-        theirs = [p["tokens_per_s"][f"titans_depth2_C{c}"] for _, p in rounds]
-        cells = []
-        for label in (f"Titans C={c}", f"Titans chunk-start read C={c}"):
-            if label not in rounds[0][0]:
-                cells += ["-", "-"]
-                continue
-            ours = [res[label]["fwd_bwd"] for res, _ in rounds]
-            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-            spread = f" ({min(ratios):.1f}-{max(ratios):.1f})" if len(ratios) > 1 else ""
-            cells += [f"{stat(label, 'fwd_bwd'):.0f}", f"{median(ratios):.1f}x{spread}"]
-        print(f"| C={c} | {median(theirs):.0f} | " + " | ".join(cells) + " |")
+    if args.peers:
+        # Ratios are taken round by round (ours and theirs minutes apart), then summarised.
+        out.print(
+            "\n| titans-pytorch (fwd+bwd) | tok/s | ours after-write | ratio | ours chunk-start "
+            "| ratio |"
+        )
+        out.print("| --- | --: | --: | --: | --: | --: |")
+        for c in (16, 64):
+            theirs = [p["tokens_per_s"][f"titans_depth2_C{c}"] for _, p in rounds]
+            cells = []
+            for label in (f"Titans C={c}", f"Titans chunk-start read C={c}"):
+                if label not in rounds[0][0]:
+                    cells += ["-", "-"]
+                    continue
+                ours = [res[label]["fwd_bwd"] for res, _ in rounds]
+                ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+                spread = f" ({min(ratios):.1f}-{max(ratios):.1f})" if len(ratios) > 1 else ""
+                cells += [f"{stat(label, 'fwd_bwd'):.0f}", f"{median(ratios):.1f}x{spread}"]
+            out.print(f"| C={c} | {median(theirs):.0f} | " + " | ".join(cells) + " |")
+
+    if not args.no_write:
+        out.write()
 
 
 if __name__ == "__main__":

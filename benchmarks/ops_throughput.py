@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/ops_throughput.py                  # T = 1024 and 4096
     .venv/bin/python benchmarks/ops_throughput.py --T 1024 --peers  # + PyTorch peers, same job
     .venv/bin/python benchmarks/ops_throughput.py --ops delta_rule --T 4096 --chunks 16 32 64
+    .venv/bin/python benchmarks/ops_throughput.py --T 64 --runs 1 --ops delta_rule --no-write
 
 For every op at B=4, H=4, d_k=d_v=64 (float32): tokens/s (B*T / median seconds of a jitted
 gradient of ``sum(o) + sum(final_state)`` w.r.t. every input, after a warm-up) of the default path
@@ -11,13 +12,14 @@ temporary memory XLA allocates for each compiled program. The float32 2048x2048 
 measured in the same run, so rows can be read as a fraction of this machine's peak. ``--peers``
 runs ../shared/peers/bench_peers.py in its own torch venv and prints its rows next to ours.
 ``ttt_linear``'s chunk is semantic (mini-batch 16 vs online SGD), so its ratio compares two rules.
+The tables go into this benchmark's section of benchmarks/README.md (``--no-write``: printed only).
 """
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
+import report
 import timing
 
 from nested import ops
@@ -112,16 +114,16 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra chunk sizes")
     parser.add_argument("--no-per-token", action="store_true", help="skip chunk_size=1 rows")
     parser.add_argument("--peers", action="store_true", help="also run the PyTorch peers")
+    report.add_flag(parser)
     args = parser.parse_args()
 
-    gflops = timing.matmul_gflops()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
-    print(f"float32 2048x2048 matmul: {gflops:.1f} GFLOP/s; B={B}, H={H}, d_k=d_v={D}, float32\n")
+    out = report.Report("ops_throughput")
+    out.print(f"B={B}, H={H}, d_k=d_v={D}, float32, forward+backward\n")
     header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
     header += [f"C={c} tok/s" for c in args.chunks]
     header += ["default temp MiB", "per-token temp MiB"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    out.print("| " + " | ".join(header) + " |")
+    out.print("|" + "---|" * len(header))
     ours = {}
     for t in args.T:
         inputs = make_inputs(t)
@@ -136,19 +138,22 @@ def main():
             row = [name, str(t), f"{fast:,.0f}", f"{slow:,.0f}", f"{fast / slow:.1f}x"]
             row += [f"{rate:,.0f}" for rate in swept]
             row += [f"{fast_mem:.0f}", f"{slow_mem:.0f}"]
-            print("| " + " | ".join(row) + " |", flush=True)
+            out.print("| " + " | ".join(row) + " |")
 
     if args.peers:
-        print("\nPyTorch peers, same job (fla-core's pure-PyTorch chunkwise delta rule):\n")
-        print("| peer | T | peer tok/s | our delta_rule default tok/s | ours / peer |")
-        print("|---|---|---|---|---|")
+        out.print("\nPyTorch peers, same job (fla-core's pure-PyTorch chunkwise delta rule):\n")
+        out.print("| peer | T | peer tok/s | our delta_rule default tok/s | ours / peer |")
+        out.print("|---|---|---|---|---|")
         for result in (timing.peer_rows(t, args.runs) for t in args.T):
             t = result["T"]
             mine = ours.get(("delta_rule", t), float("nan"))
             for row, rate in result["tokens_per_s"].items():
                 ratio = f"{mine / rate:.2f}x" if row.startswith("fla") else "(other rule)"
-                print(f"| {row} | {t} | {rate:,.0f} | {mine:,.0f} | {ratio} |")
-            print(f"| torch matmul GFLOP/s: {result['torch_matmul_gflops']} | {t} | | | |")
+                out.print(f"| {row} | {t} | {rate:,.0f} | {mine:,.0f} | {ratio} |")
+            out.print(f"| torch matmul GFLOP/s: {result['torch_matmul_gflops']} | {t} | | | |")
+
+    if not args.no_write:
+        out.write()
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ are part of its command and listed next to it.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
 import shutil
 import subprocess
@@ -32,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-import jax
+import report
 from absl import app, flags
 
 from nested.learn import recipes
@@ -327,7 +325,6 @@ def continual_table(results, workdir: Path) -> list[str]:
 def markdown(results, workdir: Path, row_notes: dict[str, str], observations: str = "") -> str:
     """The results page; ``observations`` (a hand-written ``## Observations`` section, kept
     from the previous page) goes after the introduction."""
-    cpu = os.cpu_count()
     notes = sorted(
         {
             f"`{k.split('/')[1].rsplit('_d', 1)[0]}`: {v}"
@@ -341,8 +338,7 @@ def markdown(results, workdir: Path, row_notes: dict[str, str], observations: st
         "Produced by `python benchmarks/results.py --out RESULTS.md` (each row's command is next "
         "to it; `python` is the repository's virtual environment; `--only REGEX` reruns some "
         "rows, `--widths 64` the MQAR rows at one width). Machine: "
-        f"{platform.machine()} CPU, {cpu} cores shared with other jobs, jax {jax.__version__}, "
-        f"table written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{report.machine()}, shared with other jobs; table written {report.utc_now()}; "
         "wall time is the whole command: compilation, training and evaluation. Accuracies are "
         "percentages on held-out batches after the last training step. A row absent from a "
         "table was not run.",

@@ -1,40 +1,33 @@
 """Scaling of one training step with the sequence length, and 1 vs 8 devices.
 
-    python benchmarks/scaling.py [--lengths 1024,4096,16384] [--rules delta,gated_delta] \
+    .venv/bin/python benchmarks/scaling.py [--lengths 1024 4096 16384] [--rules delta gdn2] \
         [--batch 1] [--dim 256] [--heads 4]
+    .venv/bin/python benchmarks/scaling.py --lengths 64 --rules delta --runs 1 --no-devices
 
 For each rule and length T: the compiled temporary memory of one jitted training step
 (``jax.jit(step).lower(...).compile().memory_analysis().temp_size_in_bytes``), its ratio to the
 smallest T's (linear growth means the ratio tracks T), and tokens/s (median of runs after a
 warm-up). Then the loss difference between a training run on 1 device and on 8 simulated CPU
 devices (a subprocess with ``--xla_force_host_platform_device_count=8``), measured in the same
-job. Prints markdown tables.
+job. Prints markdown tables and writes them into this benchmark's section of
+benchmarks/README.md (``--no-write``: printed only).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import optax
-from absl import app, flags
+import report
+import timing
 
 import nested as nl
 from nested.nn.models import MemoryLM
-
-FLAGS = flags.FLAGS
-flags.DEFINE_list("lengths", ["1024", "4096", "16384"], "sequence lengths T")
-flags.DEFINE_list("rules", ["delta", "gated_delta", "gdn2"], "rules (nested.recipes.RULES)")
-flags.DEFINE_integer("batch", 1, "sequences per step")
-flags.DEFINE_integer("dim", 256, "model width")
-flags.DEFINE_integer("heads", 4, "memory heads (d_k = d_v = dim / heads)")
-flags.DEFINE_integer("runs", 3, "timed runs per measurement")
-flags.DEFINE_boolean("devices", True, "also compare 1 vs 8 simulated devices")
 
 
 def program(rule: str, dim: int, heads: int, vocab: int = 256) -> nl.Program:
@@ -52,21 +45,16 @@ def program(rule: str, dim: int, heads: int, vocab: int = 256) -> nl.Program:
     return nl.compile(nl.NestedSystem([backbone, memory], owners={"memory": "backbone"}))
 
 
-def measure(rule: str, T: int) -> dict:
-    prog = program(rule, FLAGS.dim, FLAGS.heads)
+def measure(rule: str, T: int, args: argparse.Namespace) -> dict:
+    prog = program(rule, args.dim, args.heads)
     state = prog.init(jax.random.key(0))
-    x = jax.random.randint(jax.random.key(1), (FLAGS.batch, T + 1), 0, 256)
+    x = jax.random.randint(jax.random.key(1), (args.batch, T + 1), 0, 256)
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
     step = jax.jit(prog.train_step)
     compiled = step.lower(state, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(compiled(state, batch))
-    times = []
-    for _ in range(FLAGS.runs):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(state, batch))
-        times.append(time.perf_counter() - start)
-    return {"temp": temp, "tokens_per_s": FLAGS.batch * T / statistics.median(times)}
+    seconds = timing.median_seconds(compiled, (state, batch), args.runs)
+    return {"temp": temp, "tokens_per_s": args.batch * T / seconds}
 
 
 DEVICE_SCRIPT = """
@@ -109,37 +97,55 @@ def device_losses(devices: int) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv):
-    del argv
-    lengths = [int(t) for t in FLAGS.lengths]
-    print(
-        f"JAX {jax.__version__} on {jax.devices()[0].platform}, batch {FLAGS.batch}, "
-        f"dim {FLAGS.dim}, heads {FLAGS.heads}, 2-layer LM, one training step\n"
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument(
+        "--rules",
+        nargs="+",
+        default=["delta", "gated_delta", "gdn2"],
+        choices=sorted(nl.recipes.RULES),
     )
-    print("| rule | T | temp MiB | temp / temp(T0) | T / T0 | tokens/s |")
-    print("|---|---|---|---|---|---|")
-    for rule in FLAGS.rules:
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--dim", type=int, default=256, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="memory heads (d_k = dim / heads)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per measurement")
+    parser.add_argument(
+        "--no-devices", action="store_true", help="skip the 1 vs 8 simulated devices comparison"
+    )
+    report.add_flag(parser)
+    args = parser.parse_args()
+
+    out = report.Report("scaling")
+    out.print(
+        f"batch {args.batch}, dim {args.dim}, heads {args.heads}, 2-layer LM, one training step\n"
+    )
+    out.print("| rule | T | temp MiB | temp / temp(T0) | T / T0 | tokens/s |")
+    out.print("|---|---|---|---|---|---|")
+    for rule in args.rules:
         base = None
-        for T in lengths:
-            m = measure(rule, T)
+        for T in args.lengths:
+            m = measure(rule, T, args)
             base = base or m["temp"]
-            print(
+            out.print(
                 f"| {rule} | {T} | {m['temp'] / 2**20:.1f} | {m['temp'] / base:.2f} | "
-                f"{T / lengths[0]:.0f} | {m['tokens_per_s']:,.0f} |",
-                flush=True,
+                f"{T / args.lengths[0]:.0f} | {m['tokens_per_s']:,.0f} |"
             )
-    if FLAGS.devices:
+    if not args.no_devices:
         one, eight = device_losses(1), device_losses(8)
         diffs = [abs(a - b) for a, b in zip(one, eight, strict=True)]
         # Step 1 differs by summation order alone; later steps add Adam's amplification of it.
-        print(
+        out.print(
             "\n| devices | loss, step 1 | loss, step 20 | abs difference vs 1 device: step 1 "
             "| max over 20 steps |"
         )
-        print("|---|---|---|---|---|")
-        print(f"| 1 | {one[0]:.6f} | {one[-1]:.6f} | 0 | 0 |")
-        print(f"| 8 | {eight[0]:.6f} | {eight[-1]:.6f} | {diffs[0]:.1e} | {max(diffs):.1e} |")
+        out.print("|---|---|---|---|---|")
+        out.print(f"| 1 | {one[0]:.6f} | {one[-1]:.6f} | 0 | 0 |")
+        out.print(f"| 8 | {eight[0]:.6f} | {eight[-1]:.6f} | {diffs[0]:.1e} | {max(diffs):.1e} |")
+
+    if not args.no_write:
+        out.write()
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -21,16 +21,15 @@ Variants: ``configs/char_lm.py:<variant>`` with a variant of ``VARIANTS`` (defau
 The ``titans`` variant updates its memory at every token (``every=1``, step range (0, 0.1)).
 In chunks, ``--config.levels.memory.every=16``, the chunk's steps are all taken at the
 chunk-start state and add up, so the recipe's step range shrinks to (0, 0.1 / 16) (with 0.1
-the memory diverges at the first step): 2.58 bits per character after 200 steps, better and a
-step 3x faster than per-token updates (0.24 s instead of 0.75 s here; see RESULTS.md). Hope
-uses those chunks: with per-token Titans inside it trained 1.8x slower, its outer gradient
-norm spiked to thousands in the first 50 steps, and it ended 200 steps at 2.73 bits instead
-of 2.52.
+the memory diverges at the first step); chunked, it trains faster and ends lower than per-token
+updates (RESULTS.md: rows ``titans`` and ``titans_every16``). Hope uses those chunks: with
+per-token Titans inside, it trained slower, its outer gradient norm spiked early on, and it
+ended with more bits per character.
 
 Overrides as usual: ``--config.levels.memory.every=16``, ``--config.model.dim=256``,
 ``--config.levels.cms2.every=32``; ``--config.levels.cms1.first_order=True`` (and cms2, cms3)
 makes the outer level take a CMS level's window gradients as constants (first-order
-meta-learning: a Hope step 1.82 s -> 1.21 s here; RESULTS.md has the row).
+meta-learning: cheaper steps; RESULTS.md: rows ``hope`` and ``hope_first_order``).
 """
 
 from ml_collections import config_dict

@@ -2,23 +2,22 @@
 
 Multi-query associative recall (Zoology; ``nested.data.MQARTask``), the default experiment:
 a one-layer language model whose token mixer is a fast-weight memory (DeltaNet by default)
-learns in-context key -> value recall. Measured on 2 shared CPU cores: 52 s wall clock, final
-query accuracy 0.990 / 0.995 / 0.998 on the three trained settings and 0.941 on twice the
-length and pairs (128 tokens, 32 pairs), mean 0.981.
+learns in-context key -> value recall, tested on the three trained settings and on twice the
+length and pairs (128 tokens, 32 pairs). Its accuracy and wall time: RESULTS.md (MQAR table).
 
 Variants: ``configs/mqar.py:<rule>`` for any rule of ``nested.recipes.RULES`` (default
 ``delta``), e.g. ``--config configs/mqar.py:gated_delta``; and ``configs/mqar.py:hope``, a
 small Hope model: a self-modifying DeltaNet memory (``levels.memory``, owned by its key, value
 and query projections, ``levels.projections``, fast memories updated every 8 tokens) and a
 Continuum Memory System of two MLP blocks learning over windows of 16 and 64 tokens
-(``levels.cms1``, ``levels.cms2``); it reaches 97.6% mean accuracy at width 64 and 99.5% at
-128 (RESULTS.md). Overrides: ``--config.model.dim=128``,
-``--config.levels.memory.every=16`` (mini-batch TTT), ``--config.train.steps=2000``.
+(``levels.cms1``, ``levels.cms2``; its accuracy: RESULTS.md, rows ``hope``). Overrides:
+``--config.model.dim=128``, ``--config.levels.memory.every=16`` (mini-batch TTT),
+``--config.train.steps=2000``.
 
 Differences from Zoology, for a CPU budget of minutes: vocabulary 256 instead of 8192 (at
-8192 the embeddings and the output layer make a step about 10x slower here, 0.55 s instead of
-0.05 s, and 4096 key embeddings need many more steps to learn), and sequences of 64 tokens
-with 4-16 pairs instead of the 64-256 token curriculum.
+8192 the embeddings and the output layer take most of a step's time on a CPU, and 4096 key
+embeddings need many more steps to learn), and sequences of 64 tokens with 4-16 pairs instead
+of the 64-256 token curriculum.
 ``--config.task.vocab_size=8192`` and
 ``--config.task.train_settings="((64,4),(128,8),(256,16),(256,32),(256,64))"`` restore
 Zoology's settings (for an accelerator).

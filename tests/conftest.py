@@ -1,9 +1,8 @@
 """Strict JAX settings for every test: float64 available, no implicit rank promotion.
 
-The tests' programs are tiny, so their time is XLA's compile time: the CPU backend's code
-generation runs unoptimised and without LLVM's expensive passes, in every test and in the
-subprocesses the tests start (the suite took 8:46 on 2 cores with that only in some tests' jits,
-6:49 with it everywhere; the HLO passes still run). Benchmarks and runs keep the default."""
+The tests' programs are tiny, so their time is mostly XLA's compile time: the CPU backend's code
+generation runs unoptimised and without LLVM's expensive passes (the HLO passes still run), in
+every test and in the subprocesses the tests start. Benchmarks and runs keep the default."""
 
 import os
 
