@@ -7,7 +7,7 @@ fast-weight memory: ``--load_memory PATH`` starts from a saved memory state,
 eval batches; needs a level with ``persist="stream"``). Everything is in ``nested.run.train``.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from nested.run import cli, train
@@ -31,4 +31,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

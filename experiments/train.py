@@ -6,7 +6,7 @@ any key (``--config.model.dim=128``, ``--config.levels.memory.every=16``). A wor
 holds checkpoints of an interrupted run resumes it. Everything is in ``nested.run.train``.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from nested.run import cli, train
@@ -23,4 +23,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -11,16 +11,19 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
 * :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
   run stopped by SIGTERM (:class:`nested.run.train.Stopped`, after its checkpoint) into one line
   and exit status 143 (128 + SIGTERM), as a process killed by the signal would report.
+* :func:`run` starts an entry point: ``absl.app.run`` with :func:`parse_flags`, JAX's note that
+  it found no TPU hidden (:func:`not_the_tpu_note`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_dict
 
 from nested.core.guards import NonFiniteError
@@ -115,3 +118,18 @@ def user_errors() -> Iterator[None]:
             "interrupted: run the same command to resume from the last checkpoint", file=sys.stderr
         )
         sys.exit(130)
+
+
+def not_the_tpu_note(record: logging.LogRecord) -> bool:
+    """False for JAX's INFO note that its TPU backend did not start (``libtpu.so`` is absent),
+    logged on every machine without a TPU; True for everything else, warnings included (JAX
+    warns when a TPU seems present but cannot be used)."""
+    note = record.getMessage().startswith("Unable to initialize backend 'tpu'")
+    return record.levelno > logging.INFO or not note
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """Run the entry point ``main`` with :func:`parse_flags`, without the TPU note: the filter
+    is on JAX's backend logger before JAX starts its backends (at the first computation)."""
+    logging.getLogger("jax._src.xla_bridge").addFilter(not_the_tpu_note)
+    app.run(main, flags_parser=parse_flags)

@@ -2,7 +2,8 @@
 
 One linear loop over outer steps, read top to bottom:
 
-1. **Build**: validate the config and build the task, nested system and program
+1. **Build**: create the workdir (:func:`make_workdir`: one that cannot be created or written
+   to raises first), validate the config and build the task, nested system and program
    (:func:`nested.run.config.build`; a bad config raises before anything is compiled), and the
    device mesh of ``train.mesh`` (:func:`make_layout`).
 2. **State**: initialise it on the mesh, or resume from the latest readable checkpoint of
@@ -36,6 +37,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -282,6 +284,22 @@ def _record_config(config: config_dict.ConfigDict, workdir: Path) -> None:
     write_atomic(path, json.dumps(current, indent=2) + "\n")
 
 
+def make_workdir(workdir: Path) -> None:
+    """Create ``workdir`` (and its parents) unless it exists and check that it takes files;
+    raise :class:`ConfigError` naming it and the fix when it is a file or cannot be created or
+    written to."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"workdir {workdir} is a file; pass a folder (new or of this run)")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=workdir).close()
+    except OSError as error:
+        raise ConfigError(
+            f"workdir {workdir} cannot be created or written to ({error.strerror}); pass a "
+            "folder you can write to (new or of this run)"
+        ) from error
+
+
 def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
     """The config a run in ``workdir`` was trained with."""
     path = Path(workdir) / CONFIG_FILE
@@ -323,14 +341,12 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
 
     Raises :class:`Stopped` after saving a checkpoint when the process receives SIGTERM.
     """
-    # 1. Build: everything is validated before anything is compiled.
+    # 1. Build: the workdir and everything else are checked before anything is compiled.
+    workdir = Path(workdir)
+    make_workdir(workdir)
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
     layout = make_layout(exp)
-    workdir = Path(workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise ConfigError(f"workdir {workdir} is a file; pass a folder (new or of this run)")
-    workdir.mkdir(parents=True, exist_ok=True)
     _record_config(config, workdir)
     logging.info("task: %s", task.describe())
     logging.info("system: %s", exp.system)
