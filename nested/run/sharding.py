@@ -12,6 +12,8 @@ training code is the same on 1 or N devices.
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -20,6 +22,25 @@ from jax.sharding import PartitionSpec as P
 
 from nested.core.level import LevelState
 from nested.core.scheduler import Program, State
+
+# A run's mesh (a config's ``train.mesh``): ``data`` devices split the batch (0: every device
+# not on ``model``), ``model`` devices split the memory heads; ``shard_params`` splits the slow
+# parameters along ``data`` too (else they are replicated).
+MESH_DEFAULTS = types.MappingProxyType({"data": 0, "model": 1, "shard_params": False})
+
+
+def check_mesh(settings: Mapping[str, Any], key: str = "train.mesh") -> dict[str, Any]:
+    """:data:`MESH_DEFAULTS` overridden by ``settings``, checked: raises ``ValueError`` naming
+    ``key.<setting>`` unless ``data`` is an int >= 0, ``model`` an int >= 1 and
+    ``shard_params`` a bool."""
+    mesh = {**MESH_DEFAULTS, **settings}
+    for axis, low in (("data", 0), ("model", 1)):
+        size = mesh[axis]
+        if not isinstance(size, int) or isinstance(size, bool) or size < low:
+            raise ValueError(f"{key}.{axis}={size!r} must be an int >= {low}")
+    if not isinstance(mesh["shard_params"], bool):
+        raise ValueError(f"{key}.shard_params={mesh['shard_params']!r} must be True or False")
+    return mesh
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:

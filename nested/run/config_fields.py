@@ -1,0 +1,198 @@
+"""The keys a config section accepts, read off the signatures of the code the section names.
+
+A section's keys are *fields*, ``{key: Field(default, type)}``: the default (:data:`REQUIRED`
+where the parameter has none) and the ConfigDict type, one of :data:`CONFIG_TYPES`. They come
+from
+
+* a callable's keyword parameters of a config type, by annotation (:func:`value_type`) or by
+  default value (:func:`configurable`); a parameter annotated ``Level`` is a *level slot*,
+  a ``str`` key naming a level, and one annotated ``Sequence[Level]`` a ``tuple`` of names
+  (:func:`slot_kind`);
+* a level recipe's ``**level_kwargs``, which pass on the :class:`nested.Level` fields of
+  :data:`LEVEL_FIELDS` (:func:`level_fields`);
+* a task dataclass's fields (:func:`task_fields`).
+
+:func:`section` writes fields into a ConfigDict section holding every key, so a locked config
+(``lock_config=True``) accepts an override of any of them and rejects any other;
+:func:`listing` prints them, ``section.key  type  default`` a line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from ml_collections import config_dict
+
+from nested.core.level import Level
+
+REQUIRED = inspect.Parameter.empty  # the default of a key without one
+CONFIG_TYPES = (int, float, str, bool, tuple)
+# Level fields a recipe passes through **level_kwargs (the recipe fixes the others), with
+# their config types: a fast level's `every` is an int.
+LEVEL_FIELDS = types.MappingProxyType(
+    {"every": int, "persist": str, "read": str, "truncate": int, "first_order": bool, "chunk": int}
+)
+
+
+class Field(NamedTuple):
+    """A key a section accepts: its default (:data:`REQUIRED` if none) and its config type
+    (None where unknown)."""
+
+    default: Any
+    type: type | None
+
+
+Fields = dict[str, Field]
+
+
+def value_type(hint: Any) -> type | None:
+    """The config type of a parameter annotated ``hint``, None if not configurable:
+    ``int | None`` is an int, ``Literal["a", "b"]`` a str, a sequence a tuple."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = {value_type(a) for a in args if a is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else None
+    if origin is typing.Literal:
+        return type(args[0])
+    if origin in (tuple, Sequence) or hint is tuple:
+        return tuple
+    return hint if hint in (int, float, str, bool) else None
+
+
+def slot_kind(hint: Any) -> type | None:
+    """A level slot's config type: ``str`` for one level (``Level``, ``Level | None``),
+    ``tuple`` for several (``Sequence[Level]``); None if ``hint`` is not a slot."""
+    if hint is Level or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType)
+        and set(typing.get_args(hint)) == {Level, type(None)}
+    ):
+        return str
+    if typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,):
+        return tuple
+    return None
+
+
+def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
+    """The named parameters of ``fn`` (a class: its ``__init__``), their type hints, and
+    whether it takes ``**kwargs``."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    params = dict(inspect.signature(target).parameters)
+    params.pop("self", None)
+    try:
+        hints = typing.get_type_hints(target)
+    except NameError:  # unresolvable annotations: fall back to the defaults' types
+        hints = {}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named, hints, var_kw
+
+
+def configurable(fn: Callable, skip: Iterable[str] = ()) -> Fields:
+    """The fields of the parameters of ``fn`` a config can set (those of a config type or a
+    level slot), but those in ``skip``."""
+    named, hints, _ = parameters(fn)
+    fields = {}
+    for name, p in named.items():
+        hint = hints.get(name)
+        kind = slot_kind(hint) or value_type(hint)
+        if kind is None and p.default is not REQUIRED and p.default is not None:
+            kind = type(p.default)
+        if name not in skip and kind in CONFIG_TYPES:
+            fields[name] = Field(p.default, kind)
+    return fields
+
+
+def plain(defaults: Mapping[str, Any]) -> Fields:
+    """The fields of a mapping of defaults, each of its default's type."""
+    return {key: Field(value, type(value)) for key, value in defaults.items()}
+
+
+def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
+    """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the slower level producing its
+    context; None: the model), the keyword parameters of ``recipe`` but ``name`` and, if it
+    takes ``**kwargs``, the :data:`LEVEL_FIELDS` it does not take itself."""
+    fields = {"rule": Field(rule, str), "owner": Field(None, str)}
+    fields.update(configurable(recipe, skip=("name",)))
+    if parameters(recipe)[2]:
+        for f in dataclasses.fields(Level):
+            if f.name in LEVEL_FIELDS and f.name not in fields:
+                fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
+    return fields
+
+
+def task_fields(name: str, cls: type) -> Fields:
+    """The ``task`` section of the task dataclass ``cls`` named ``name``: ``name`` and its
+    fields."""
+    hints = typing.get_type_hints(cls)
+    fields = {"name": Field(name, str)}
+    for f in dataclasses.fields(cls):
+        fields[f.name] = Field(f.default, value_type(hints[f.name]))
+    return fields
+
+
+def _model_signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
+    """``(callable, names to skip)`` pairs whose keyword parameters are model keys."""
+    own = set(parameters(build)[0])
+    return [(build, {"vocab", "rngs"})] + [(fn, own | {"rngs"}) for fn in also]
+
+
+def model_fields(
+    name: str, build: Callable, also: Sequence[Callable] = (), *, unset: Iterable[str] = ()
+) -> Fields:
+    """The ``model`` section of the model ``build`` named ``name``: ``name``, the parameters
+    of ``build`` but ``vocab`` and ``rngs``, then those of the ``also`` callables (which receive
+    its ``**kwargs``) it lacks; the keys of ``unset`` default to None."""
+    fields = {"name": Field(name, str)}
+    for fn, skip in _model_signatures(build, also):
+        for key, field in configurable(fn, skip).items():
+            fields.setdefault(key, field._replace(default=None) if key in unset else field)
+    return fields
+
+
+def model_slots(build: Callable, also: Sequence[Callable] = ()) -> dict[str, bool]:
+    """The level slots of a model's section (as :func:`model_fields`): ``{key: takes
+    several levels}``."""
+    slots = {}
+    for fn, skip in _model_signatures(build, also):
+        named, hints, _ = parameters(fn)
+        for name in named:
+            kind = slot_kind(hints.get(name))
+            if name not in skip and kind is not None:
+                slots.setdefault(name, kind is tuple)
+    return slots
+
+
+def section(fields: Mapping[str, Field], values: Mapping[str, Any]) -> config_dict.ConfigDict:
+    """A ConfigDict section of every key of ``fields``: its value in ``values``, else its
+    default (lists as tuples), else (no default, or None) a placeholder of its type, which a
+    locked config lets an override of that type set. Raises ``ValueError`` for a key of
+    ``values`` that ``fields`` lacks."""
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    out = config_dict.ConfigDict()
+    for name, (default, kind) in fields.items():
+        if name in values:
+            out[name] = values[name]
+        elif default is None or default is REQUIRED:
+            out[name] = config_dict.placeholder(kind)
+        else:
+            out[name] = tuple(default) if isinstance(default, list) else default
+    return out
+
+
+def listing(sections: Mapping[str, Mapping[str, Field]]) -> str:
+    """``section.key  type  default`` lines of ``{section: fields}``, keys sorted in each
+    section (``required``: no default)."""
+    lines = []
+    for prefix, fields in sections.items():
+        for key, (default, kind) in sorted(fields.items()):
+            name, type_name = f"{prefix}.{key}", kind.__name__ if kind else "any"
+            value = "required" if default is REQUIRED else repr(default)
+            lines.append(f"{name:<40}  {type_name:<5}  {value}")
+    return "\n".join(lines) + "\n"
