@@ -79,18 +79,18 @@ def test_adatransformer_reads_a_hebbian_memory_with_the_attention_output():
     d = DIM // HEADS
     level = nl.recipes.hebbian(d_k=d, d_v=d)
     mixer = AdaTransformerMixer(level, dim=DIM, heads=HEADS, window=None, rngs=nnx.Rngs(0))
-    mixer.initial_params.set_value({"W": jax.random.normal(jax.random.key(5), (HEADS, d, d))})
+    mixer.initial_params.set_value(({"w": jax.random.normal(jax.random.key(5), (HEADS, d, d))},))
     x = x_of(7)
     y, state = mixer(x, mixer.initial_state(2))
     q, k, v = jnp.split(mixer.qkv(x).reshape(2, 7, 3 * HEADS, d), 3, axis=2)
     y_attn, _ = causal_attention(q, k, v, mixer.initial_state(2)["attention"], None)
     k = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
-    M = mixer.initial_params.get_value()["W"][None, None] + jnp.cumsum(
+    M = mixer.initial_params.get_value()[0]["w"][None, None] + jnp.cumsum(
         jnp.einsum("bthv,bthk->bthvk", v, k), axis=1
     )  # (B, T, H, d, d): M_t after the write
     expected = mixer.out(jnp.einsum("bthvk,bthk->bthv", M, y_attn).reshape(2, 7, DIM))
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(state["memory"].params["W"], M[:, -1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state["memory"].params[0]["w"], M[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_adatransformer_needs_head_sized_memory():

@@ -31,15 +31,15 @@ def test_projections_change_once_per_chunk_by_the_self_generated_regression():
     x = x_of(C)
     state = layer.initial_state(2)
     _, after = layer(x, state)
-    P = state["projections"].params["W"]  # (B, 3, dim, dim)
+    P = state["projections"].params[0]["w"]  # (B, 3, dim, dim)
     v = jnp.einsum("boi,bti->bto", P[:, 1], x)  # the chunk's values, chunk-start P_v
     lr = layer.projections.gates["beta"].activate(layer.projection_gates["beta"](x))  # (B, C, 3)
     targets = jnp.einsum("bpoi,bti->btpo", P, v)
     errors = jnp.einsum("bpoi,bti->btpo", P, x) - targets
     expected = P - jnp.einsum("btp,btpo,bti->bpoi", lr, errors, x)
-    np.testing.assert_allclose(after["projections"].params["W"], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after["projections"].params[0]["w"], expected, rtol=1e-5, atol=1e-6)
     _, partial = layer(x[:, :3], state)  # within a chunk's first tokens: one update at the end
-    assert jnp.any(partial["projections"].params["W"] != P)
+    assert jnp.any(partial["projections"].params[0]["w"] != P)
 
 
 # The memory's state carries the convolution's last inputs, and an ATLAS memory's also its

@@ -27,7 +27,7 @@ def make_context(T, seed=0, gates=("beta",)):
 
 def initial(level, seed=1):
     W0 = 0.3 * jax.random.normal(jax.random.key(seed), (B, H, DV, DK))
-    return inner.initial_state(level, {"W": W0})
+    return inner.initial_state(level, ({"w": W0},))
 
 
 def reference(ctx, W0, every, step, read="after_write"):
@@ -75,6 +75,19 @@ CASES = {
         ("lr", "momentum", "decay"),
         titans_step,
     ),
+    # The same rule composed by hand from the public gated blocks.
+    "titans_from_blocks": (
+        nl.rules.UpdateRule(
+            optax.chain(
+                nl.rules.scale_by_gate("lr", -1.0),
+                nl.rules.trace_by_gate("momentum"),
+                nl.rules.decay_by_gate("decay"),
+            ),
+            gates={name: nl.rules.Gate() for name in ("lr", "momentum", "decay")},
+        ),
+        ("lr", "momentum", "decay"),
+        titans_step,
+    ),
 }
 
 
@@ -109,13 +122,13 @@ def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
     state = initial(level)
 
     def ours(ctx, W0):
-        o, final = inner.run(level, state.replace(params={"W": W0}), ctx)
-        return o, final.params["W"]
+        o, final = inner.run(level, state.replace(params=({"w": W0},)), ctx, path="generic")
+        return o, final.params[0]["w"]
 
     def theirs(ctx, W0):
         return reference(ctx, W0, every, step, read)
 
-    W0 = state.params["W"]
+    W0 = state.params[0]["w"]
     for a, b in zip(jax.jit(ours)(ctx, W0), jax.jit(theirs)(ctx, W0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     grads = [
@@ -135,11 +148,11 @@ def test_hebbian_is_one_step_of_lr_one_on_the_dot_objective():
     )
     ctx = make_context(9, gates=())
     state = initial(level)
-    o, final = inner.run(level, state, ctx)
-    W = state.params["W"][:, :, None] + jnp.cumsum(
+    o, final = inner.run(level, state, ctx, path="generic")
+    W = state.params[0]["w"][:, :, None] + jnp.cumsum(
         jnp.einsum("bthv,bthk->bthvk", ctx.v, ctx.k), axis=1
     ).transpose(0, 2, 1, 3, 4)
-    np.testing.assert_allclose(final.params["W"], W[:, :, -1], rtol=1e-12)
+    np.testing.assert_allclose(final.params[0]["w"], W[:, :, -1], rtol=1e-12)
     np.testing.assert_allclose(o, jnp.einsum("bhtvk,bthk->bthv", W, ctx.q), rtol=1e-12)
 
 
@@ -158,10 +171,10 @@ def test_optax_transformation_as_a_rule():
         return W - 0.3 * S, S
 
     state = initial(level)
-    o, final = inner.run(level, state, ctx)
-    o_ref, W_ref = reference(ctx, state.params["W"], 1, step)
+    o, final = inner.run(level, state, ctx, path="generic")
+    o_ref, W_ref = reference(ctx, state.params[0]["w"], 1, step)
     np.testing.assert_allclose(o, o_ref, rtol=1e-10)
-    np.testing.assert_allclose(final.params["W"], W_ref, rtol=1e-10)
+    np.testing.assert_allclose(final.params[0]["w"], W_ref, rtol=1e-10)
 
 
 @pytest.mark.parametrize("every", [1, 4])
@@ -176,11 +189,11 @@ def test_streaming_two_calls_equal_one(every):
     )
     ctx = make_context(16, gates=gate_names)
     state = initial(level)
-    o, final = inner.run(level, state, ctx)
+    o, final = inner.run(level, state, ctx, path="generic")
     first = jax.tree.map(lambda x: x[:, :8], ctx)
     second = jax.tree.map(lambda x: x[:, 8:], ctx)
-    o1, mid = inner.run(level, state, first)
-    o2, end = inner.run(level, mid, second)
+    o1, mid = inner.run(level, state, first, path="generic")
+    o2, end = inner.run(level, mid, second, path="generic")
     np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12)
@@ -198,10 +211,13 @@ def test_truncation_keeps_values_and_cuts_gradients():
     state = initial(full)
 
     def loss(level, k):
-        o, _ = inner.run(level, state, ctx._replace(k=k))
+        o, _ = inner.run(level, state, ctx._replace(k=k), path="generic")
         return jnp.sum(o[:, -1] ** 2)  # the last token only
 
-    np.testing.assert_allclose(inner.run(cut, state, ctx)[0], inner.run(full, state, ctx)[0])
+    np.testing.assert_allclose(
+        inner.run(cut, state, ctx, path="generic")[0],
+        inner.run(full, state, ctx, path="generic")[0],
+    )
     g_full, g_cut = (
         jax.grad(lambda k: loss(full, k))(ctx.k),
         jax.grad(lambda k: loss(cut, k))(ctx.k),
@@ -216,9 +232,9 @@ def test_masked_tail_leaves_the_state_unchanged():
     level = nl.recipes.delta(d_k=DK, d_v=DV, chunk=8)
     ctx = make_context(9)
     state = initial(level)
-    _, final9 = inner.run(level, state, ctx)
-    _, final_ref = reference(ctx, state.params["W"], 1, delta_step)
-    np.testing.assert_allclose(final9.params["W"], final_ref, rtol=1e-12)
+    _, final9 = inner.run(level, state, ctx, path="generic")
+    _, final_ref = reference(ctx, state.params[0]["w"], 1, delta_step)
+    np.testing.assert_allclose(final9.params[0]["w"], final_ref, rtol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -59,16 +59,16 @@ def test_turns_read_the_snapshot_from_the_start_of_the_turn():
         q=jax.random.normal(keys[2], (2, 7, HEADS, 4)),
         gates={"beta": jax.nn.sigmoid(jax.random.normal(keys[3], (2, 7, HEADS)))},
     )
-    state = inner.initial_state(level, {"W": jnp.zeros((2, HEADS, 4, 4))})
+    state = inner.initial_state(level, ({"w": jnp.zeros((2, HEADS, 4, 4))},))
     o, final = inner.run_turns(level, state, ctx, turn=3)
     _, reference_final = inner.run(level, state, ctx)
-    np.testing.assert_allclose(final.params["W"], reference_final.params["W"], rtol=1e-12)
+    np.testing.assert_allclose(final.params[0]["w"], reference_final.params[0]["w"], rtol=1e-12)
     for start in (0, 3, 6):  # turns [0, 3), [3, 6), [6, 7)
         if start == 0:
-            W = state.params["W"]
+            W = state.params[0]["w"]
         else:
             W = inner.run(level, state, jax.tree.map(lambda a, s=start: a[:, :s], ctx))[1]
-            W = W.params["W"]
+            W = W.params[0]["w"]
         expected = jnp.einsum("bhvk,bthk->bthv", W, ctx.q[:, start : start + 3])
         np.testing.assert_allclose(o[:, start : start + 3], expected, rtol=1e-10, atol=1e-12)
 
@@ -92,10 +92,10 @@ def test_mixture_of_storage_routed_to_one_expert_is_that_expert():
     y_single, s_single = single(x, single.initial_state(2))
     np.testing.assert_allclose(y_mos, y_single, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
-        s_mos.params["W"][:, ::3], s_single.params["W"], rtol=1e-5, atol=1e-6
+        s_mos.params[0]["w"][:, ::3], s_single.params[0]["w"], rtol=1e-5, atol=1e-6
     )
     # Experts that receive no writes keep their initial state.
-    np.testing.assert_allclose(s_mos.params["W"][:, 1::3], 0.0, atol=1e-12)
+    np.testing.assert_allclose(s_mos.params[0]["w"][:, 1::3], 0.0, atol=1e-12)
 
 
 def test_mixture_of_storage_needs_a_write_gate():

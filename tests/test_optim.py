@@ -125,11 +125,11 @@ def test_optimizer_level_as_a_fast_levels_rule():
         q=jax.random.normal(keys[2], (1, 9, 2, 3)),
         gates={},
     )
-    W0 = {"W": jnp.zeros((1, 2, 2, 3))}
+    W0 = ({"w": jnp.zeros((1, 2, 2, 3))},)
     o1, s1 = inner.run(as_level, inner.initial_state(as_level, W0), ctx)
     o2, s2 = inner.run(direct, inner.initial_state(direct, W0), ctx)
     np.testing.assert_allclose(o1, o2, rtol=1e-10)
-    np.testing.assert_allclose(s1.params["W"], s2.params["W"], rtol=1e-10)
+    np.testing.assert_allclose(s1.params[0]["w"], s2.params[0]["w"], rtol=1e-10)
 
 
 def test_gated_learning_rate_when_used_as_a_rule():

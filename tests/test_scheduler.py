@@ -43,13 +43,13 @@ def test_meta_gradient_equals_central_finite_differences():
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
     mixer = params["blocks"][0]["mixer"]
     lr_bias = mixer["gates"]["beta"]["bias"][...]  # (heads,): the inner lr's parameter
-    w0 = mixer["initial_params"].get_value()["W"]  # (heads, d_v, d_k): the initial state
+    w0 = mixer["initial_params"].get_value()[0]["w"]  # (heads, d_v, d_k): the initial state
     w0 = w0 + 0.1 * jax.random.normal(jax.random.key(3), w0.shape)
 
     def outer_loss(lr_bias, w0):
         p = jax.tree.map(lambda a: a, params)
         p["blocks"][0]["mixer"]["gates"]["beta"]["bias"][...] = lr_bias
-        p["blocks"][0]["mixer"]["initial_params"].set_value({"W": w0})
+        p["blocks"][0]["mixer"]["initial_params"].set_value(({"w": w0},))
         return prog.loss(p, batch)[0]
 
     g_bias, g_w0 = jax.jit(jax.grad(outer_loss, argnums=(0, 1)))(lr_bias, w0)
@@ -95,7 +95,7 @@ def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
     assert carried["sequence"][0] == carried["sequence"][1]
     assert carried["stream"][0] == carried["sequence"][0]
     assert carried["stream"][1] != carried["stream"][0]
-    assert jnp.any(carried["stream"][2][0]["mixer"].params["W"] != 0)
+    assert jnp.any(carried["stream"][2][0]["mixer"].params[0]["w"] != 0)
 
 
 def test_training_on_associative_recall_lifts_accuracy_far_above_chance():

@@ -116,7 +116,7 @@ def test_update_must_be_a_rule_or_optax():
 
 def test_context_that_does_not_fit_the_memory():
     level = fast()  # d_k = d_v = 4
-    state = inner.initial_state(level, {"W": jnp.zeros((1, 2, 4, 4))})
+    state = inner.initial_state(level, ({"w": jnp.zeros((1, 2, 4, 4))},))
     k = jnp.zeros((1, 5, 2, 3))  # d_k = 3 does not fit
     ctx = inner.Context(k=k, v=jnp.zeros((1, 5, 2, 4)), q=k, gates={"beta": jnp.zeros((1, 5, 2))})
     with pytest.raises(ValueError, match=r"level 'memory': context k has shape \(1, 5, 2, 3\)"):
@@ -125,7 +125,7 @@ def test_context_that_does_not_fit_the_memory():
 
 def test_missing_gate():
     level = fast()
-    state = inner.initial_state(level, {"W": jnp.zeros((1, 2, 4, 4))})
+    state = inner.initial_state(level, ({"w": jnp.zeros((1, 2, 4, 4))},))
     x = jnp.zeros((1, 5, 2, 4))
     with pytest.raises(
         ValueError, match=r"level 'memory': the owner emits no gate\(s\) \['beta'\]"
@@ -147,4 +147,4 @@ def test_compiled_program_runs():
     tokens = jnp.arange(14).reshape(2, 7) % 11
     logits, final = program.apply(state.params, tokens)
     assert logits.shape == (2, 7, 11)
-    assert final[0]["mixer"].params["W"].shape == (2, 2, 4, 4)
+    assert final[0]["mixer"].params[0]["w"].shape == (2, 2, 4, 4)

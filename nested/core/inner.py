@@ -19,8 +19,11 @@ code per rule: for each memory (vmapped over batch and heads) it runs
 
 With ``every=1``, ``theta_s = theta_{t-1}`` and this is the online per-token definition.
 Sequences whose length is not a multiple of the block are padded with inert tokens (masked:
-the state does not change). A level with a ``fast`` form runs that instead unless
-``generic=True``.
+the state does not change).
+
+``run`` uses a kernel of :mod:`nested.ops.kernels` instead when one implements the level as
+declared (``path="auto"``); ``path="generic"`` always runs the loop above, and
+``path="kernel"`` demands a kernel, raising an error that says why none implements the level.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from nested.core.level import Level, LevelState
+from nested.ops import kernels
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -104,16 +108,36 @@ def block_tokens(level: Level) -> int:
     return block if level.truncate is None else math.gcd(block, level.truncate)
 
 
-def run(level: Level, state: LevelState, ctx: Context, *, generic: bool = False):
+PATHS = ("auto", "kernel", "generic")
+
+
+def kernel_for(level: Level, path: str = "auto") -> kernels.Kernel | None:
+    """The kernel ``run`` uses for ``level`` on ``path`` (None: the generic loop)."""
+    if path not in PATHS:
+        raise ValueError(f"path={path!r} is unknown; use one of {PATHS}")
+    if path == "generic":
+        return None
+    kernel, reasons = kernels.find(level)
+    if kernel is None and path == "kernel":
+        why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+        raise ValueError(
+            f"level {level.name!r}: no kernel implements this declaration ({why}); run it with "
+            f"path='auto' or 'generic' (the generic inner loop), or register a kernel in "
+            f"nested.ops.kernels"
+        )
+    return kernel
+
+
+def run(level: Level, state: LevelState, ctx: Context, *, path: str = "auto"):
     """Run a fast level over a sequence. Returns ``(o (B, T, H, d_v), final state)``.
 
-    The final state keeps the dtypes of ``state`` (the context may compute in another one).
+    ``path``: ``"auto"`` (a kernel implementing the declaration, else the generic loop),
+    ``"kernel"`` (a kernel or an error) or ``"generic"``. The final state keeps the dtypes of
+    ``state`` (the context may compute in another one).
     """
+    kernel = kernel_for(level, path)
     check_context(level, ctx)
-    if level.fast is not None and not generic:
-        o, new = level.fast(level, state, ctx)
-    else:
-        o, new = run_generic(level, state, ctx)
+    o, new = (run_generic if kernel is None else kernel.run)(level, state, ctx)
     return o, jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
 
 

@@ -29,7 +29,7 @@ import optax
 from flax import struct
 
 from nested.learn.objectives import Window
-from nested.learn.rules import Gate, UpdateRule, as_rule
+from nested.learn.rules import Gate, Rule, as_rule
 
 PERSIST = ("sequence", "stream")
 READS = ("after_write", "chunk_start")
@@ -73,22 +73,24 @@ class Level:
     of each window's backward pass. Forward values are unchanged. (A key-value memory level
     has none: its keys and values reach the outer loss only through the gradients it writes.)
     ``chunk``: compute chunk in tokens (a multiple of ``every``): the block rematerialised by
-    ``jax.checkpoint`` in the generic path, the chunk size of the fast form; ``None`` picks one.
-    ``fast``: optional fast form of the same rule (closed form, chunkwise parallel),
-    ``fast(level, state, context) -> (outputs, state)``; it must agree with the generic path.
+    ``jax.checkpoint`` in the generic path, the chunk size of a linear kernel; ``None`` picks
+    one. It changes no result.
+
+    Which code runs the level follows from these fields alone: a kernel of
+    :mod:`nested.ops.kernels` where one implements exactly this declaration, else the generic
+    inner loop (:func:`nested.core.inner.run`). Equal declarations compare and hash equal.
     """
 
     name: str
     memory: Any
     objective: Callable[..., Any]
-    update: UpdateRule | optax.GradientTransformation
+    update: Rule | optax.GradientTransformation
     every: int | Literal["step"] = 1
     persist: Literal["sequence", "stream"] = "sequence"
     read: Literal["after_write", "chunk_start"] = "after_write"
     truncate: int | None = None
     first_order: bool = False
     chunk: int | None = None
-    fast: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -152,7 +154,7 @@ class Level:
         return isinstance(self.objective, Window)
 
     @property
-    def rule(self) -> UpdateRule:
+    def rule(self) -> Rule:
         return as_rule(self.update)
 
     @property

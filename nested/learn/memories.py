@@ -61,8 +61,9 @@ def _rows_times(k: jax.Array, w: jax.Array) -> jax.Array:
 class Linear:
     """Linear associative memory ``f_W(k) = W k``, ``W (d_v, d_k)`` (Type I).
 
-    ``init_scale`` is the standard deviation of the initial ``W`` (0 gives the classic
-    empty memory ``W_0 = 0``).
+    The depth-1 case of :class:`MLP`'s layout: parameters ``({"w": W},)``, so every memory
+    feeds the kernels in one layout. ``init_scale`` is the standard deviation of the initial
+    ``W`` (0 gives the classic empty memory ``W_0 = 0``).
     """
 
     d_k: int
@@ -73,10 +74,10 @@ class Linear:
         _check_dims(self, d_k=self.d_k, d_v=self.d_v)
 
     def init(self, key: jax.Array) -> Params:
-        return {"W": self.init_scale * jax.random.normal(key, (self.d_v, self.d_k))}
+        return ({"w": self.init_scale * jax.random.normal(key, (self.d_v, self.d_k))},)
 
     def apply(self, params: Params, k: jax.Array) -> jax.Array:
-        return _rows_times(k, params["W"])
+        return _rows_times(k, params[0]["w"])
 
 
 def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -3,8 +3,8 @@
 Each recipe returns a :class:`nested.Level` named ``name`` with the rule's memory, objective and
 update rule; extra keyword arguments (``every``, ``persist``, ``read``, ``chunk``, ``truncate``)
 go to the level. ``RULES`` maps rule names to recipes so configs can choose a rule by name.
-A recipe may attach a ``fast`` form (closed form, chunkwise parallel, :mod:`nested.ops`); the
-generic path (:func:`nested.core.inner.run_generic`) is the definition it must agree with.
+Recipes are declarations only (as optax's ``alias.py``): the kernel that runs a level is found
+from what it declares (:mod:`nested.ops.kernels`), the same for a level built by hand.
 
 Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
 
@@ -13,9 +13,6 @@ Equations (value-by-key ``W (d_v, d_k)``, DESIGN.md section 3):
   ``1/2 |W k - v|^2``. With ``every=C`` it is mini-batch TTT-Linear.
 * ``gated_delta`` (Gated DeltaNet): ``W_t = a_t W_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T``:
   retain ``a_t``, then the delta step at the retained state.
-
-The linear rules attach the chunkwise-parallel ops of :mod:`nested.ops` as fast forms
-(``level.chunk`` is their compute chunk; the mini-batch delta rule uses ``ops.ttt_linear``).
 * ``falcon`` (Falcon-1): ``W_t = (1 - e_t l_t) W_{t-1} + e_t (v_t - W_{t-1} x_t) x_t^T``,
   ``e_t = b_t / (|x_t|^2 + l_t + eps)``: lr ``b_t`` on the normalised ridge loss. The layer
   provides the alignment ``x_t = k_{t-1}`` (``MemoryLayer(key_shift=True)``).
@@ -39,192 +36,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 
-import optax
-
-from nested import ops
-from nested.core import inner
-from nested.core.level import Level, LevelState
+from nested.core.level import Level
 from nested.learn import memories, objectives, rules
 from nested.learn.rules import Gate
-
-
-def _fast_linear(op: Callable, *, any_period: bool = False) -> Callable:
-    """A fast form for a linear memory: ``op(level, W0, ctx) -> (o, W)`` on ``W (B, H, d_v,
-    d_k)``. Levels the op does not cover (chunk-start reads, truncated gradients, periods other
-    than 1 unless ``any_period``) run the generic path."""
-
-    def fast(level: Level, state: LevelState, ctx: inner.Context):
-        if level.read != "after_write" or level.truncate or (level.every > 1 and not any_period):
-            return inner.run_generic(level, state, ctx)
-        o, W = op(level, state.params["W"], ctx)
-        return o, state.replace(params={"W": W})
-
-    return fast
-
-
-def _hebbian_op(level, W, ctx):
-    return ops.linear_attention(ctx.q, ctx.k, ctx.v, initial_state=W, chunk_size=level.chunk)
-
-
-def _delta_op(level, W, ctx):
-    if level.every == 1:
-        return ops.delta_rule(
-            ctx.q, ctx.k, ctx.v, ctx.gates["beta"], initial_state=W, chunk_size=level.chunk
-        )
-    return ops.ttt_linear(
-        ctx.q, ctx.k, ctx.v, ctx.gates["beta"], initial_state=W, chunk_size=level.every
-    )
-
-
-def _gated_delta_op(level, W, ctx):
-    g = ctx.gates
-    return ops.gated_delta_rule(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        g["beta"],
-        log_alpha=g["log_alpha"],
-        initial_state=W,
-        chunk_size=level.chunk,
-    )
-
-
-def _falcon_op(level, W, ctx):
-    g = ctx.gates
-    return ops.falcon(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        g["beta"],
-        g[level.objective.lam],
-        eps=level.objective.eps,
-        initial_state=W,
-        chunk_size=level.chunk,
-    )
-
-
-def _gdn2_op(level, W, ctx):
-    g = ctx.gates
-    return ops.gdn2(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        g["erase"],
-        g["write"],
-        g["log_decay"],
-        initial_state=W,
-        chunk_size=level.chunk,
-        scale=1.0,
-    )
-
-
-def _layers(params) -> tuple:
-    """Memory parameters in the layer layout of the neural ops: ``({"w": W}, ...)``."""
-    return ({"w": params["W"]},) if isinstance(params, dict) else tuple(params)
-
-
-def _like(layers: tuple, params):
-    return {"W": layers[0]["w"]} if isinstance(params, dict) else tuple(layers)
-
-
-def _network(memory) -> dict:
-    """The ops' description of an MLP memory (a Linear memory is a one-layer MLP)."""
-    if isinstance(memory, memories.Featurized):
-        memory = memory.memory
-    if isinstance(memory, memories.MLP):
-        return {"activation": memory.activation, "residual_norm": memory.residual}
-    return {}
-
-
-def _fast_neural(op: Callable, *, reads=("after_write", "chunk_start")) -> Callable:
-    """A fast form for a neural memory, ``op(level, params, momentum, ctx) -> (o, params,
-    momentum)`` with the ops' layer layout (a windowed op also takes and returns the window
-    buffer of :func:`nested.core.inner.initial_state` as ``window=``); truncated levels and reads
-    the op lacks run the generic path."""
-
-    def fast(level: Level, state: LevelState, ctx: inner.Context):
-        if level.truncate or level.read not in reads:
-            return inner.run_generic(level, state, ctx)
-        opt_state = state.opt_state  # the chain state of gradient_descent / muon
-        momentum = opt_state[1].trace if len(opt_state) > 1 else None  # their momentum trace
-        args = (level, _layers(state.params), None if momentum is None else _layers(momentum), ctx)
-        cache = state.cache
-        if inner.window_size(level) > 1:
-            o, params, momentum, window = op(*args, window=cache["window"])
-            cache = {**cache, "window": window}
-        else:
-            o, params, momentum = op(*args)
-        if momentum is not None:
-            trace = type(opt_state[1])(_like(momentum, state.params))
-            opt_state = (*opt_state[:1], trace, *opt_state[2:])
-        params = _like(params, state.params)
-        return o, state.replace(params=params, opt_state=opt_state, cache=cache)
-
-    return fast
-
-
-def _ttt_op(level, params, momentum, ctx):
-    o, params = ops.ttt_mlp(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        ctx.gates["lr"],
-        params=params,
-        chunk_size=level.every,
-        **_network(level.memory),
-    )
-    return o, params, momentum
-
-
-def _titans_op(level, params, momentum, ctx):
-    g = ctx.gates
-    o, state = ops.titans(
-        ctx.q,
-        ctx.k,
-        ctx.v,
-        g["lr"],
-        g["momentum"],
-        g["decay"],
-        state=ops.titans_state(params, momentum),
-        chunk_size=level.every,
-        read=level.read,
-        **_network(level.memory),
-    )
-    return o, state.params, state.momentum
-
-
-def _atlas_op(ns_steps: int) -> Callable:
-    def op(level, params, momentum, ctx, window=None):
-        g, memory = ctx.gates, level.memory
-        state = (params, momentum)
-        if window is not None:  # the last c - 1 samples of the previous call
-            state = ops.AtlasState(params, momentum, window["k"], window["v"], window["gate"])
-        degree = memory.degree if isinstance(memory, memories.Featurized) else 1
-        phi = None if degree == 1 else partial(memories.polynomial_features, degree=degree)
-        o, state = ops.atlas(
-            ctx.q,
-            ctx.k,
-            ctx.v,
-            g["lr"],
-            g["momentum"],
-            g["decay"],
-            g[level.objective.gate],
-            state=state,
-            window=level.objective.window,
-            chunk_size=level.every,
-            feature_map=phi,
-            muon_steps=ns_steps,
-            read=level.read,
-            **_network(memory),
-        )
-        if window is None:
-            return o, state.params, state.momentum
-        buffer = {"k": state.keys, "v": state.values, "gate": state.gates}
-        return o, state.params, state.momentum, buffer
-
-    return op
 
 
 def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
@@ -234,7 +49,6 @@ def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Leve
         memory=memories.Linear(d_k, d_v),
         objective=objectives.dot,
         update=rules.sgd(lr=1.0),
-        fast=_fast_linear(_hebbian_op, any_period=True),  # dot-product gradients ignore W
         **level_kwargs,
     )
 
@@ -246,7 +60,6 @@ def delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
         update=rules.sgd(lr="beta"),
-        fast=_fast_linear(_delta_op, any_period=True),
         **level_kwargs,
     )
 
@@ -255,13 +68,12 @@ def gated_delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> 
     """Gated DeltaNet: retain ``alpha_t = exp(log_alpha_t)``, then the delta step of lr
     ``beta_t``. The retention is emitted in log space (``-softplus``), exact in float32 for
     strong forgetting."""
-    gates = {**rules.DEFAULT_GATES, "retain": Gate("log_decay", init=math.log(0.95))}
+    gates = {"retain": Gate("log_decay", init=math.log(0.95))}
     return Level(
         name,
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
         update=rules.gradient_descent("beta", retain="log_alpha", gate_kinds=gates),
-        fast=_fast_linear(_gated_delta_op),
         **level_kwargs,
     )
 
@@ -273,7 +85,6 @@ def falcon(name: str = "memory", *, d_k: int, d_v: int, eps: float = 1e-6, **lev
         memory=memories.Linear(d_k, d_v),
         objective=objectives.NormalizedRidge(eps=eps),
         update=rules.sgd(lr="beta"),
-        fast=_fast_linear(_falcon_op),
         **level_kwargs,
     )
 
@@ -286,7 +97,6 @@ def gdn2(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
         memory=memories.Linear(d_k, d_v),
         objective=objectives.ErasedL2(),
         update=rules.gradient_descent(1.0, retain="log_decay", gate_kinds=decay),
-        fast=_fast_linear(_gdn2_op),
         **level_kwargs,
     )
 
@@ -305,7 +115,6 @@ def _ttt(name: str, memory, lr_scale: float, every: int, level_kwargs) -> Level:
         objective=objectives.l2,
         update=rules.gradient_descent("lr", gate_kinds=bounded_lr(lr_scale)),
         every=every,
-        fast=_fast_neural(_ttt_op, reads=("after_write",)),
         **level_kwargs,
     )
 
@@ -365,7 +174,6 @@ def titans(
             "lr", momentum="momentum", decay="decay", gate_kinds=bounded_lr(lr_scale)
         ),
         every=every,
-        fast=_fast_neural(_titans_op),
         **level_kwargs,
     )
 
@@ -400,7 +208,6 @@ def atlas(
             ns_steps=ns_steps,
             gate_kinds=bounded_lr(0.1),
         ),
-        fast=_fast_neural(_atlas_op(ns_steps)),
         **level_kwargs,
     )
 
@@ -423,7 +230,7 @@ def cms(
         name,
         memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k),
         objective=objectives.window,
-        update=optax.sgd(lr, momentum=momentum or None),
+        update=rules.gradient_descent(lr, momentum=momentum or None),
         every=every,
         **level_kwargs,
     )
@@ -454,7 +261,7 @@ def projections(
         name,
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
-        update=rules.gradient_descent("beta", gate_kinds=bounded_lr(scale, 0.01 * scale)),
+        update=rules.sgd("beta", gate_kinds=bounded_lr(scale, 0.01 * scale)),
         every=every,
         **level_kwargs,
     )

@@ -1,24 +1,39 @@
-"""Update rules of fast levels: optax transformations driven by data-dependent gates.
+"""Update rules of fast levels: typed specs that build optax transformations driven by gates.
 
-A fast level's update rule is an :class:`optax.GradientTransformationExtraArgs`: it maps the
-gradient of the level's objective to an additive update, and receives the gates that the owner
-level emits for the current token (a learning rate, a momentum, a decay) as keyword arguments.
-Any plain optax transformation (``optax.sgd(0.1)``) is a rule with no gates.
+A fast level's update rule maps the gradient of the level's objective to an additive update
+and receives the gates that the owner level emits for the current token (a learning rate, a
+momentum, a decay) as keyword arguments. A rule is a value with three attributes (the
+:class:`Rule` protocol): ``transform`` (an :class:`optax.GradientTransformationExtraArgs`),
+``gates`` (the gates it reads, name -> :class:`Gate`) and ``retain`` (a retention gate or
+None). Any plain optax transformation (``optax.sgd(0.1)``) is a rule with no gates.
 
-A rule may also name a **retention** gate ``a`` that multiplies the state *before* the
-gradient is taken (Gated DeltaNet forgets, then corrects at the forgotten state):
-``theta' = a theta``, ``theta_new = theta' + update(grad L(theta'))``. A retention gate of
-kind ``"log_decay"`` multiplies by ``exp(a)``; one of size ``"d_k"`` scales the key axis (the
-last axis of ``W (d_v, d_k)``: ``W diag(a)``, MemT's diagonal forget gate).
+A rule may name a **retention** gate ``a`` that multiplies the state *before* the gradient is
+taken (Gated DeltaNet forgets, then corrects at the forgotten state): ``theta' = a theta``,
+``theta_new = theta' + update(grad L(theta'))``. A retention gate of kind ``"log_decay"``
+multiplies by ``exp(a)``; one of size ``"d_k"`` scales the key axis (the last axis of
+``W (d_v, d_k)``: ``W diag(a)``, MemT's diagonal forget gate).
 
-:func:`gradient_descent` covers the first-order rules of the seeds:
+The rules of the seeds are frozen dataclasses, so equal declarations compare (and hash)
+equal and a rebuilt level hits jit's cache; kernels (:mod:`nested.ops.kernels`) read their
+fields to decide whether they implement a level:
 
-    theta'  = a_t theta_{t-1}                      (retain, optional)
-    S_t     = m_t S_{t-1} - h_t grad L_t(theta')   (momentum optional: S_t = -h_t grad)
-    theta_t = (1 - d_t) theta' + S_t               (decay optional)
+* :class:`GradientDescent` (also ``gradient_descent``, and ``sgd`` without momentum)::
 
-delta rule = ``gradient_descent(lr="beta")`` on ``1/2 |W k - v|^2``; Gated DeltaNet adds
-``retain="alpha"``; Titans is ``gradient_descent(lr, momentum=..., decay=...)``.
+      theta'  = a_t theta_{t-1}                      (retain, optional)
+      S_t     = m_t S_{t-1} - h_t grad L_t(theta')   (momentum optional: S_t = -h_t grad)
+      theta_t = (1 - d_t) theta' + S_t               (decay optional)
+
+  delta rule = ``sgd(lr="beta")`` on ``1/2 |W k - v|^2``; Gated DeltaNet adds
+  ``retain="log_alpha"``; Titans is ``gradient_descent(lr, momentum=..., decay=...)``.
+* :class:`Muon` (ATLAS's inner optimizer)::
+
+      S_t     = m_t S_{t-1} - grad L_t(theta_{t-1})
+      theta_t = (1 - d_t) theta_{t-1} + h_t NS(S_t)
+
+Their state is a :class:`MomentumState` (``momentum``: ``S``, or None without momentum).
+The gated building blocks they are made of are public optax transformations
+(:func:`scale_by_gate`, :func:`trace_by_gate`, :func:`decay_by_gate`, :func:`orthogonalize`):
+``UpdateRule(optax.chain(...), gates={...})`` composes a new gated rule from them.
 """
 
 from __future__ import annotations
@@ -26,12 +41,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import FrozenDict
 
 GateKind = Literal["unit", "positive", "log_decay"]
 _GATE_KINDS = ("unit", "positive", "log_decay")
@@ -94,11 +109,33 @@ class Gate:
 
 
 GateSpec = str | float
+"""A rule's coefficient: the name of a gate the owner emits per token, or a constant."""
+
+
+def gate_value(spec: GateSpec, gates: Mapping[str, jax.Array]) -> jax.Array | float:
+    """A gate given by name is read from ``gates``; a number is a constant."""
+    return gates[spec] if isinstance(spec, str) else spec
+
+
+class Rule(Protocol):
+    """What a level needs of its update rule."""
+
+    @property
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        """``update(grads, state, params, **gates) -> (updates, state)``."""
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        """Every gate the transform (or the retention) reads, by name."""
+
+    @property
+    def retain(self) -> str | None:
+        """The gate multiplying the state before the gradient is taken, or None."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UpdateRule:
-    """An update rule of a fast level: ``transform`` plus the gates it reads.
+    """Any optax transformation as a rule, with the gates it reads (compared by identity).
 
     ``gates`` maps every gate name the transform (or ``retain``) reads to its :class:`Gate`;
     ``retain`` names the gate multiplying the state before the gradient step, or is None.
@@ -109,61 +146,67 @@ class UpdateRule:
     retain: str | None = None
 
 
-def as_rule(update: UpdateRule | optax.GradientTransformation) -> UpdateRule:
-    """Accept a plain optax transformation as a rule with no gates."""
-    if isinstance(update, UpdateRule):
-        return update
-    if isinstance(update, optax.GradientTransformation):
-        return UpdateRule(optax.with_extra_args_support(update))
-    raise ValueError(
-        f"update must be a nested.rules.UpdateRule or an optax.GradientTransformation, "
-        f"got {type(update).__name__}"
-    )
+# -- gated building blocks: one pure step each, and the optax transformation of each -------
 
 
-def gate_value(spec: GateSpec, gates: Mapping[str, jax.Array]) -> jax.Array | float:
-    """A gate given by name is read from ``gates``; a number is a constant."""
-    return gates[spec] if isinstance(spec, str) else spec
+def _scaled(c, tree):
+    return jax.tree.map(lambda u: c * u, tree)
 
 
-def _scale_by(spec: GateSpec, sign: float) -> optax.GradientTransformationExtraArgs:
+def _traced(m, trace, updates):
+    """``S_t = m_t S_{t-1} + u_t``."""
+    return jax.tree.map(lambda s, u: m * s + u, trace, updates)
+
+
+def _decayed(d, updates, params):
+    """``u_t - d_t theta``."""
+    return jax.tree.map(lambda u, p: u - d * p, updates, params)
+
+
+def _orthogonalized(tree, steps: int):
+    """``NS(u)`` on matrix-shaped leaves, the identity on the others."""
+    return jax.tree.map(lambda u: newton_schulz(u, steps) if u.ndim == 2 else u, tree)
+
+
+def _stateless(step) -> optax.GradientTransformationExtraArgs:
     def update(updates, state, params=None, **gates):
-        del params
-        scale = sign * gate_value(spec, gates)
-        return jax.tree.map(lambda u: scale * u, updates), state
+        return step(updates, params, gates), state
 
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_gate(spec: GateSpec, sign: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """``u -> sign * g_t u``, ``g_t`` the gate ``spec`` (or the constant)."""
+    return _stateless(lambda u, params, gates: _scaled(sign * gate_value(spec, gates), u))
+
+
 class TraceState(NamedTuple):
-    """Momentum ``S`` of a gated trace, shaped like the parameters."""
+    """Momentum ``S`` of :func:`trace_by_gate`, shaped like the parameters."""
 
     trace: optax.Updates
 
 
-def _gated_trace(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
-    """``S_t = m_t S_{t-1} + u_t``: heavy-ball momentum with a data-dependent retention."""
-
-    def init(params):
-        return TraceState(jax.tree.map(jnp.zeros_like, params))
+def trace_by_gate(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
+    """``S_t = m_t S_{t-1} + u_t``, emitted as the update: heavy-ball momentum with a
+    data-dependent retention ``m_t``."""
 
     def update(updates, state, params=None, **gates):
-        del params
-        m = gate_value(spec, gates)
-        trace = jax.tree.map(lambda s, u: m * s + u, state.trace, updates)
+        trace = _traced(gate_value(spec, gates), state.trace, updates)
         return trace, TraceState(trace)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(
+        lambda params: TraceState(jax.tree.map(jnp.zeros_like, params)), update
+    )
 
 
-def _gated_decay(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
-    """``u_t - d_t theta``: decay of the state towards zero (Titans' forgetting)."""
+def decay_by_gate(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
+    """``u_t -> u_t - d_t theta``: decay of the state towards zero (Titans' forgetting)."""
+    return _stateless(lambda u, params, gates: _decayed(gate_value(spec, gates), u, params))
 
-    def update(updates, state, params=None, **gates):
-        d = gate_value(spec, gates)
-        return jax.tree.map(lambda u, p: u - d * p, updates, params), state
 
-    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+def orthogonalize(steps: int = 5) -> optax.GradientTransformationExtraArgs:
+    """``u -> NS(u)`` (:func:`newton_schulz`) for matrix-shaped updates, identity otherwise."""
+    return _stateless(lambda u, params, gates: _orthogonalized(u, steps))
 
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -189,22 +232,9 @@ def newton_schulz(
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
-def _orthogonalized(steps: int) -> optax.GradientTransformationExtraArgs:
-    """``NS(u)`` for matrix-shaped updates (Newton-Schulz), the identity for the others."""
+# -- the typed rules --------------------------------------------------------------------------
 
-    def update(updates, state, params=None, **gates):
-        del params, gates
-        ortho = lambda u: newton_schulz(u, steps) if u.ndim == 2 else u
-        return jax.tree.map(ortho, updates), state
-
-    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
-
-
-def _gates_of(kinds: Mapping[str, Gate], **specs: GateSpec | None) -> dict[str, Gate]:
-    return {spec: kinds[role] for role, spec in specs.items() if isinstance(spec, str)}
-
-
-DEFAULT_GATES = MappingProxyType(
+DEFAULT_GATES = FrozenDict(
     {
         "lr": Gate("unit", init=0.5),
         "momentum": Gate("unit", init=0.5),
@@ -212,54 +242,156 @@ DEFAULT_GATES = MappingProxyType(
         "retain": Gate("unit", init=0.95),
     }
 )
+"""The :class:`Gate` of each role of a rule (``gate_kinds``) unless the rule says otherwise."""
 
 
-def gradient_descent(
+class MomentumState(NamedTuple):
+    """The state of :class:`GradientDescent` and :class:`Muon`: the momentum ``S`` (shaped
+    like the parameters), or None for a rule without momentum."""
+
+    momentum: optax.Updates | None
+
+
+def _check_spec(where: str, role: str, spec: Any, *, optional: bool) -> None:
+    ok = isinstance(spec, str) or (
+        isinstance(spec, int | float) and not isinstance(spec, bool) and math.isfinite(spec)
+    )
+    if not (ok or (optional and spec is None)):
+        raise ValueError(
+            f"{where}: {role}={spec!r} must be a gate name (str) or a finite number"
+            + (", or None" if optional else "")
+        )
+
+
+class _GatedRule:
+    """What :class:`GradientDescent` and :class:`Muon` share: coefficients given by role
+    (``lr``, ``momentum``, ``decay``, ``retain``), each a constant or a gate name whose
+    :class:`Gate` is ``gate_kinds[role]`` (default :data:`DEFAULT_GATES`); equal fields give
+    equal (and equally hashed) rules."""
+
+    ROLES = ("lr", "momentum", "decay", "retain")
+
+    def _validate(self) -> None:
+        where = type(self).__name__
+        _check_spec(where, "lr", self.lr, optional=False)
+        _check_spec(where, "momentum", self.momentum, optional=True)
+        _check_spec(where, "decay", self.decay, optional=True)
+        if self.retain is not None and not isinstance(self.retain, str):
+            raise ValueError(f"{where}: retain={self.retain!r} must be a gate name or None")
+        if not isinstance(self.gate_kinds, Mapping):
+            raise ValueError(f"{where}: gate_kinds must map roles to Gates")
+        unknown = set(self.gate_kinds) - set(self.ROLES)
+        if unknown:
+            raise ValueError(
+                f"{where}: gate_kinds has unknown roles {sorted(unknown)}; "
+                f"allowed: {list(self.ROLES)}"
+            )
+        used = {role: s for role in self.ROLES if isinstance(s := getattr(self, role), str)}
+        kinds = {role: self.gate_kinds.get(role, DEFAULT_GATES[role]) for role in used}
+        # Only the kinds of the roles in use are kept, so equal rules compare equal.
+        object.__setattr__(self, "gate_kinds", FrozenDict(kinds))
+        names = list(used.values())
+        if len(set(names)) < len(names):
+            raise ValueError(f"{where}: one gate name serves two roles: {used}")
+
+    @property
+    def gates(self) -> Mapping[str, Gate]:
+        return {getattr(self, role): gate for role, gate in self.gate_kinds.items()}
+
+    @property
+    def transform(self) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+    def init(self, params) -> MomentumState:
+        if self.momentum is None:
+            return MomentumState(None)
+        return MomentumState(jax.tree.map(jnp.zeros_like, params))
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientDescent(_GatedRule):
+    """First-order rule with optional momentum, decay and retention (module docstring).
+
+    ``lr``, ``momentum``, ``decay``: a constant or the name of a gate the owner emits;
+    ``retain``: a gate name or None; ``gate_kinds``: the :class:`Gate` of each role named by
+    a gate (defaults :data:`DEFAULT_GATES`, all in (0, 1)).
+    """
+
+    lr: GateSpec = "lr"
+    _: dataclasses.KW_ONLY
+    momentum: GateSpec | None = None
+    decay: GateSpec | None = None
+    retain: str | None = None
+    gate_kinds: Mapping[str, Gate] = DEFAULT_GATES
+
+    def __post_init__(self):
+        self._validate()
+
+    def update(self, grads, state: MomentumState, params=None, **gates):
+        updates = _scaled(-gate_value(self.lr, gates), grads)
+        momentum = state.momentum
+        if self.momentum is not None:
+            momentum = updates = _traced(gate_value(self.momentum, gates), momentum, updates)
+        if self.decay is not None:
+            updates = _decayed(gate_value(self.decay, gates), updates, params)
+        return updates, MomentumState(momentum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Muon(_GatedRule):
+    """ATLAS's inner optimizer: momentum orthogonalised by Newton-Schulz, then step and decay
+    (module docstring). ``ns_steps`` iterations on matrix-shaped parameters (0: plain
+    momentum, the step ``h_t`` applied after it). No retention gate."""
+
+    lr: GateSpec = "lr"
+    _: dataclasses.KW_ONLY
+    momentum: GateSpec = "momentum"
+    decay: GateSpec | None = "decay"
+    ns_steps: int = 5
+    gate_kinds: Mapping[str, Gate] = DEFAULT_GATES
+    retain: None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        self._validate()
+        if self.momentum is None:
+            raise ValueError("Muon: momentum=None; Muon orthogonalises the momentum, give one")
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int):
+            raise ValueError(f"Muon: ns_steps={self.ns_steps!r} must be an int >= 0")
+        if self.ns_steps < 0:
+            raise ValueError(f"Muon: ns_steps={self.ns_steps!r} must be an int >= 0")
+
+    def update(self, grads, state: MomentumState, params=None, **gates):
+        momentum = _traced(gate_value(self.momentum, gates), state.momentum, _scaled(-1.0, grads))
+        updates = momentum if not self.ns_steps else _orthogonalized(momentum, self.ns_steps)
+        updates = _scaled(gate_value(self.lr, gates), updates)
+        if self.decay is not None:
+            updates = _decayed(gate_value(self.decay, gates), updates, params)
+        return updates, MomentumState(momentum)
+
+
+gradient_descent = GradientDescent
+muon = Muon
+
+
+def sgd(
     lr: GateSpec = "lr",
     *,
-    momentum: GateSpec | None = None,
-    decay: GateSpec | None = None,
     retain: str | None = None,
     gate_kinds: Mapping[str, Gate] = DEFAULT_GATES,
-) -> UpdateRule:
-    """First-order rule with optional momentum, decay and retention (see the module docstring).
-
-    Each of ``lr``, ``momentum``, ``decay`` is a constant or the name of a gate the owner emits;
-    ``retain`` is a gate name. ``gate_kinds`` gives the :class:`Gate` of each role (defaults:
-    all in (0, 1)).
-    """
-    parts = [_scale_by(lr, -1.0)]
-    if momentum is not None:
-        parts.append(_gated_trace(momentum))
-    if decay is not None:
-        parts.append(_gated_decay(decay))
-    gates = _gates_of(gate_kinds, lr=lr, momentum=momentum, decay=decay, retain=retain)
-    return UpdateRule(optax.chain(*parts), MappingProxyType(gates), retain)
-
-
-def sgd(lr: GateSpec = "lr", *, retain: str | None = None) -> UpdateRule:
+) -> GradientDescent:
     """``theta_t = a_t theta_{t-1} - lr_t grad L_t``: the delta / Hebbian / Gated DeltaNet step."""
-    return gradient_descent(lr, retain=retain)
+    return GradientDescent(lr, retain=retain, gate_kinds=gate_kinds)
 
 
-def muon(
-    lr: GateSpec = "lr",
-    *,
-    momentum: GateSpec = "momentum",
-    decay: GateSpec | None = "decay",
-    ns_steps: int = 5,
-    gate_kinds: Mapping[str, Gate] = DEFAULT_GATES,
-) -> UpdateRule:
-    """ATLAS's inner optimizer: momentum orthogonalised by Newton-Schulz, then step and decay.
-
-    ``S_t = m_t S_{t-1} - grad L_t``, ``theta_t = (1 - d_t) theta_{t-1} + h_t NS(S_t)`` with
-    ``NS`` applied to matrix-shaped parameters (``ns_steps`` iterations; 0 is plain momentum).
-    """
-    parts = [_scale_by(1.0, -1.0), _gated_trace(momentum)]
-    if ns_steps:
-        parts.append(_orthogonalized(ns_steps))
-    parts.append(_scale_by(lr, 1.0))
-    if decay is not None:
-        parts.append(_gated_decay(decay))
-    gates = _gates_of(gate_kinds, lr=lr, momentum=momentum, decay=decay)
-    return UpdateRule(optax.chain(*parts), MappingProxyType(gates))
+def as_rule(update: Any) -> Rule:
+    """A level's ``update`` as a rule: a plain optax transformation becomes a rule with no
+    gates; a value with ``transform`` and ``gates`` (:class:`Rule`) is used as it is."""
+    if isinstance(update, optax.GradientTransformation):
+        return UpdateRule(optax.with_extra_args_support(update))
+    if all(hasattr(update, a) for a in ("transform", "gates", "retain")):
+        return update
+    raise ValueError(
+        "update must be a nested.rules.UpdateRule, GradientDescent or Muon (a rule with "
+        f"transform, gates and retain) or an optax.GradientTransformation, got "
+        f"{type(update).__name__}"
+    )

@@ -95,7 +95,7 @@ class SelfModifyingLayer(nnx.Module):
 
     def initial_state(self, batch_size: int) -> dict:
         memory = per_sequence(self.initial_params.get_value(), batch_size)
-        projections = {"W": per_sequence(self.initial_projections[...], batch_size)}
+        projections = ({"w": per_sequence(self.initial_projections[...], batch_size)},)
         cache = None if self.conv is None else {"conv": self.conv.initial_cache(batch_size)}
         return {
             "memory": inner.initial_state(self.level, memory, cache),
@@ -105,7 +105,7 @@ class SelfModifyingLayer(nnx.Module):
     def _chunk(self, state: dict, x: jax.Array) -> tuple[dict, jax.Array]:
         """One projection period: ``x (B, C, dim)`` with the chunk-start projections."""
         B, C, dim = x.shape
-        P = state["projections"].params["W"]  # (B, 3, dim, dim)
+        P = state["projections"].params[0]["w"]  # (B, 3, dim, dim)
         kvq = jnp.einsum("bpoi,bti->btpo", P, x)
         memory = state["memory"]
         if self.conv is not None:

@@ -1,0 +1,195 @@
+"""Kernels equal the generic path of the declarations they claim, and only those.
+
+Every registered kernel is run on each of its example levels (``Kernel.examples``) against
+the generic inner loop, values and gradients, float64, lengths not a multiple of any chunk:
+the cases come from the registry, so a newly registered kernel is checked here unedited.
+"""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nested as nl
+from nested.core import inner
+from nested.ops import kernels
+
+B, H = 2, 2
+
+
+def context(level, T, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3 + len(level.gates))
+    k = jax.random.normal(keys[0], (B, T, H, level.memory.d_k))
+    gates = {}
+    for key, (name, gate) in zip(keys[3:], sorted(level.gates.items()), strict=True):
+        size = () if gate.size is None else (getattr(level.memory, gate.size),)
+        gates[name] = gate.activate(jax.random.normal(key, (B, T, H, *size)))
+    return inner.Context(
+        k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
+        v=jax.random.normal(keys[1], (B, T, H, level.memory.d_v)),
+        q=jax.random.normal(keys[2], (B, T, H, level.memory.d_k)),
+        gates=gates,
+    )
+
+
+def start_state(level):
+    """Random initial memories, a non-zero momentum (or other rule state) where the rule has
+    one, and a full window of earlier samples where the objective reads a window."""
+    keys = jax.random.split(jax.random.key(9), B * H)
+    W0 = jax.tree.map(
+        lambda p: 0.5 * p.reshape(B, H, *p.shape[1:]), jax.vmap(level.memory.init)(keys)
+    )
+    state = inner.initial_state(level, W0)
+    state = state.replace(opt_state=jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), state.opt_state))
+    if state.cache is not None:
+        earlier = context(level, inner.window_size(level) - 1, seed=5)
+        window = {
+            "k": jnp.moveaxis(earlier.k, 1, 2),
+            "v": jnp.moveaxis(earlier.v, 1, 2),
+            "gate": jnp.moveaxis(earlier.gates[level.objective.gate], 1, 2),
+        }
+        state = state.replace(cache={"window": window})
+    return W0, state
+
+
+def compare(level, T, path="kernel", rtol=1e-8):
+    """``inner.run`` on ``path`` equals the generic path: outputs, final state (params, rule
+    state, cache) and the gradients of a functional of both w.r.t. the context and theta_0."""
+    ctx = context(level, T)
+    W0, state = start_state(level)
+
+    def run(path):
+        def f(ctx, W0):
+            o, final = inner.run(level, state.replace(params=W0), ctx, path=path)
+            return o, (final.params, final.opt_state, final.cache)
+
+        return f
+
+    fast, generic = run(path), run("generic")
+    chex.assert_trees_all_close(fast(ctx, W0), generic(ctx, W0), rtol=rtol, atol=1e-11)
+
+    def gradient(f):
+        def loss(ctx, W0):
+            o, final = f(ctx, W0)
+            return jnp.sum(jnp.sin(o)) + sum(jnp.sum(x**2) for x in jax.tree.leaves(final))
+
+        return jax.grad(loss, argnums=(0, 1))(ctx, W0)
+
+    chex.assert_trees_all_close(gradient(fast), gradient(generic), rtol=rtol * 10, atol=1e-10)
+
+
+EXAMPLES = [
+    pytest.param(kernel, i, id=f"{kernel.name}-{i}")
+    for kernel in kernels.KERNELS
+    for i in range(len(kernel.examples()))
+]
+
+
+@pytest.mark.parametrize(("kernel", "index"), EXAMPLES)
+def test_every_kernel_equals_the_generic_path_on_its_examples(kernel, index):
+    level = kernel.examples()[index]
+    assert kernels.find(level)[0] is kernel, kernels.find(level)[1]
+    compare(level, 11)
+
+
+@pytest.mark.parametrize("rule", sorted(nl.recipes.RULES))
+def test_every_named_rule_runs_a_kernel_that_equals_the_generic_path_on_one_token(rule):
+    level = nl.recipes.RULES[rule](d_k=3, d_v=3)
+    assert inner.kernel_for(level) is not None
+    compare(level, 1)
+
+
+def ttt_mlp_with(update):
+    return dataclasses.replace(nl.recipes.ttt_mlp(d_k=3, d_v=3, every=2, hidden=4), update=update)
+
+
+def test_a_replaced_rule_runs_the_kernel_of_the_new_rule():
+    """Issue 15: TTT-MLP with a momentum rule put in by hand ran the TTT kernel, which ignores
+    momentum (outputs off by 0.49, no error); the kernel now follows the declaration."""
+    lr = nl.recipes.bounded_lr(0.1)
+    level = ttt_mlp_with(nl.rules.gradient_descent("lr", momentum="momentum", gate_kinds=lr))
+    assert inner.kernel_for(level).name == "neural_gradient_descent"
+    compare(level, 11, path="auto")
+
+
+def test_decay_without_momentum_runs():
+    """Issue 15: decay and no momentum raised AttributeError ('EmptyState' has no 'trace')."""
+    lr = nl.recipes.bounded_lr(0.1)
+    compare(ttt_mlp_with(nl.rules.gradient_descent("lr", decay="decay", gate_kinds=lr)), 11)
+
+
+def test_a_declaration_no_kernel_implements_runs_the_generic_path_or_says_why():
+    level = nl.recipes.gated_delta(d_k=3, d_v=3, read="chunk_start")
+    assert inner.kernel_for(level) is None
+    ctx = context(level, 6)
+    _, state = start_state(level)
+    np.testing.assert_array_equal(
+        inner.run(level, state, ctx)[0], inner.run(level, state, ctx, path="generic")[0]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"level 'memory': no kernel implements.*gated_delta_rule: "
+        r"read='chunk_start', not 'after_write'",
+    ):
+        inner.run(level, state, ctx, path="kernel")
+    with pytest.raises(ValueError, match=r"path='fast' is unknown"):
+        inner.run(level, state, ctx, path="fast")
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        nl.rules.gradient_descent("lr", momentum="momentum", decay="decay"),
+        nl.rules.sgd("lr", retain="retain"),
+        nl.rules.muon("lr", ns_steps=1),
+    ],
+    ids=["momentum_decay", "retain", "muon"],
+)
+@pytest.mark.parametrize("rule", ["delta", "falcon", "gdn2", "titans"])
+def test_any_rule_swapped_into_a_recipe_gives_the_generic_values(rule, update):
+    """Whatever kernel (or none) the new declaration selects, it computes that declaration."""
+    level = dataclasses.replace(nl.recipes.RULES[rule](d_k=3, d_v=3), update=update)
+    ctx = context(level, 7)
+    _, state = start_state(level)
+    chex.assert_trees_all_close(
+        inner.run(level, state, ctx), inner.run(level, state, ctx, path="generic"), rtol=1e-8
+    )
+
+
+STREAMED = [
+    ("titans", {"depth": 2, "hidden": 5, "every": 2}),
+    ("atlas", {"window": 3, "degree": 2, "depth": 2, "hidden": 5, "ns_steps": 0, "every": 2}),
+    ("atlas", {"window": 4, "degree": 1, "depth": 1, "ns_steps": 2, "every": 1}),
+]
+
+
+@pytest.mark.parametrize("path", ["auto", "generic"])
+@pytest.mark.parametrize(("rule", "kwargs"), STREAMED)
+def test_a_stream_split_across_calls_equals_one_call(rule, kwargs, path):
+    """The carried state (momentum, and the Omega window's last samples) continues the stream:
+    ATLAS's first windows of the second call reach back into the first."""
+    level = nl.recipes.RULES[rule](d_k=3, d_v=3, **kwargs)
+    ctx = context(level, 10)
+    _, state = start_state(level)
+    whole, final = inner.run(level, state, ctx, path=path)
+    part = lambda a, b: jax.tree.map(lambda x: x[:, a:b], ctx)
+    first, middle = inner.run(level, state, part(0, 4), path=path)
+    second, end = inner.run(level, middle, part(4, 10), path=path)
+    np.testing.assert_allclose(jnp.concatenate([first, second], 1), whole, rtol=1e-9)
+    chex.assert_trees_all_close(end, final, rtol=1e-9, atol=1e-12)
+    if state.cache is not None:  # the stream's last c - 1 samples
+        c = inner.window_size(level)
+        np.testing.assert_array_equal(
+            end.cache["window"]["k"], jnp.moveaxis(ctx.k, 1, 2)[..., 11 - c :, :]
+        )
+
+
+def test_a_kernel_is_registered_with_its_examples_and_a_new_name():
+    delta = kernels.KERNELS[1]
+    with pytest.raises(ValueError, match="'delta_rule' is already registered"):
+        kernels.register(delta)
+    with pytest.raises(ValueError, match="give at least one example"):
+        kernels.register(dataclasses.replace(delta, name="other", examples=lambda: []))
