@@ -23,7 +23,7 @@ def cms_levels(periods=PERIODS, lr=0.5):
         nl.Level(
             f"cms{c}",
             memory=nl.memories.MLP(DIM, DIM, 2 * DIM),
-            objective=nl.objectives.window,
+            objective=nl.objectives.outer_loss,
             update=optax.sgd(lr),
             every=c,
         )
@@ -194,7 +194,7 @@ def test_sequence_length_must_be_a_multiple_of_the_window():
     state = prog.init(jax.random.key(0))
     with pytest.raises(
         ValueError,
-        match="sequence length 7 is not a multiple of the window every=2 of level 'cms2'",
+        match="sequence length 7 is not a multiple of the period every=2 of level 'cms2'",
     ):
         prog.loss(state.params, data(7))
 
@@ -204,7 +204,7 @@ def test_window_levels_take_no_gates():
         level = nl.Level(
             "cms2",
             memory=nl.memories.MLP(DIM, DIM, DIM),
-            objective=nl.objectives.window,
+            objective=nl.objectives.outer_loss,
             update=nl.rules.sgd("lr"),
             every=2,
         )
@@ -232,6 +232,6 @@ class OneKeyMemory:
 
 def test_a_block_whose_memory_reads_one_key_at_a_time_is_refused():
     level = dataclasses.replace(cms_levels()[0], memory=OneKeyMemory())
-    with pytest.raises(ValueError, match="level 'cms2': a CMS block reads a window's tokens"):
+    with pytest.raises(ValueError, match="level 'cms2': a CMS block reads a period's tokens"):
         ContinuumMemory([level], dim=DIM, rngs=nnx.Rngs(0))
     ContinuumMemory(cms_levels()[:1], dim=DIM, rngs=nnx.Rngs(0))  # the built-in MLP reads rows

@@ -106,7 +106,7 @@ def test_char_lm_hope_declares_its_levels_and_owners_in_the_config():
     assert projections.gates["beta"].scale == pytest.approx(1 / (dim * 16))  # stable steps
     for name, every in zip(cms, (16, 64, 128), strict=True):
         level = system[name]
-        assert level.objective is objectives.window and not level.gates
+        assert level.objective is objectives.outer_loss and not level.gates
         assert (level.every, level.memory.d_k, level.memory.hidden) == (every, dim, 4 * dim)
     block = nnx.eval_shape(lambda: system.outer.memory(nnx.Rngs(0))).blocks[0]
     assert isinstance(block.mixer, SelfModifyingLayer) and isinstance(block.cms, ContinuumMemory)

@@ -68,7 +68,7 @@ def hope_program(vocab=11):
         nl.Level(
             f"cms{c}",
             memory=nl.memories.MLP(DIM, DIM, 2 * DIM),
-            objective=nl.objectives.window,
+            objective=nl.objectives.outer_loss,
             update=optax.sgd(0.1),
             every=c,
         )

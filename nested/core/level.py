@@ -28,7 +28,7 @@ from typing import Any, Literal
 import optax
 from flax import struct
 
-from nested.learn.objectives import Window
+from nested.learn.objectives import OuterLoss
 from nested.learn.rules import Gate, Rule, as_rule
 
 PERSIST = ("sequence", "stream")
@@ -65,12 +65,12 @@ class Level:
     ``every=1`` that is the state before the token's own write).
     ``truncate``: if set, gradients of outer levels stop flowing through this level's state
     every ``truncate`` tokens (truncated backpropagation through the inner loop).
-    ``first_order``: for a level learning from the outer objective over its windows (a CMS
-    block, ``objective=objectives.window``): outer levels take its window gradients as
+    ``first_order``: for a level learning from the outer loss over its periods (a CMS
+    block, ``objective=objectives.outer_loss``): outer levels take its period gradients as
     constants (first-order meta-learning, as first-order MAML). The outer gradient still flows
     through the state each update starts from and through everything the model computes with
-    it, not through the window gradient itself, so the outer backward pass skips the backward
-    of each window's backward pass. Forward values are unchanged. (A key-value memory level
+    it, not through the period gradient itself, so the outer backward pass skips the backward
+    of each period's backward pass. Forward values are unchanged. (A key-value memory level
     has none: its keys and values reach the outer loss only through the gradients it writes.)
     ``chunk``: compute chunk in tokens (a multiple of ``every``): the block rematerialised by
     ``jax.checkpoint`` in the generic path, the chunk size of a linear kernel; ``None`` picks
@@ -107,10 +107,10 @@ class Level:
             raise ValueError(f"{where}: read={self.read!r}; use one of {READS}")
         if not isinstance(self.first_order, bool):
             raise ValueError(f"{where}: first_order={self.first_order!r} must be True or False")
-        if self.first_order and not self.is_window:
+        if self.first_order and not self.learns_outer_loss:
             raise ValueError(
                 f"{where}: first_order=True applies to levels that learn from the outer "
-                "objective over windows (objective=nested.objectives.window, e.g. CMS blocks); "
+                "loss over its periods (objective=nested.objectives.outer_loss, e.g. CMS blocks); "
                 "a key-value memory's keys and values would get no outer gradient"
             )
         if not callable(self.objective):
@@ -148,10 +148,10 @@ class Level:
         return self.every == "step"
 
     @property
-    def is_window(self) -> bool:
-        """Whether the level learns from the outer objective over its windows (a model-level
-        memory such as a CMS block, :mod:`nested.core.windows`) rather than from a local loss."""
-        return isinstance(self.objective, Window)
+    def learns_outer_loss(self) -> bool:
+        """Whether the level learns from the outer loss over its periods (a model-level
+        memory such as a CMS block, :mod:`nested.core.outer_loss`) rather than from a local loss."""
+        return isinstance(self.objective, OuterLoss)
 
     @property
     def rule(self) -> Rule:

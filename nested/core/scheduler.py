@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from nested.core import guards, windows
+from nested.core import guards, outer_loss
 from nested.core.level import LevelState
 from nested.core.system import NestedSystem
 
@@ -92,7 +92,9 @@ class Program:
             )
         self.outer = outer
         self.tx = outer.update
-        self.window_levels = {level.name: level for level in system.fast_levels if level.is_window}
+        self.outer_loss_levels = {
+            level.name: level for level in system.fast_levels if level.learns_outer_loss
+        }
 
     # -- building blocks ------------------------------------------------------------------
 
@@ -134,15 +136,15 @@ class Program:
     def apply(self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None):
         """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh).
 
-        Model-level levels (CMS blocks, :mod:`nested.core.windows`) learn only when ``targets``
+        Model-level levels (CMS blocks, :mod:`nested.core.outer_loss`) learn only when ``targets``
         (and optionally ``mask``) are given; without them they read their current state.
         """
         if fast is None:
             fast = self.start_fast(params, inputs.shape[0])
         model = self.model(params)
-        if self.window_levels and targets is not None:
+        if self.outer_loss_levels and targets is not None:
             batch = {"targets": targets} if mask is None else {"targets": targets, "mask": mask}
-            return windows.run(self.window_levels, model, inputs, fast, batch)
+            return outer_loss.run(self.outer_loss_levels, model, inputs, fast, batch)
         return model(inputs, fast)
 
     def loss(self, params, batch, fast=None):

@@ -54,9 +54,9 @@ class NestedSystem:
                     f"naming the slower level that produces its context"
                 )
             self._check_chain(level.name, owners, by_name)
-            if level.is_window and level.gates:
+            if level.learns_outer_loss and level.gates:
                 raise ValueError(
-                    f"level {level.name!r}: a level learning from the outer loss over its window "
+                    f"level {level.name!r}: a level learning from the outer loss over its period "
                     f"gets no per-token gates; its update must use constants, not "
                     f"{sorted(level.gates)}"
                 )
@@ -74,14 +74,14 @@ class NestedSystem:
                     f"level {slowest[0]!r}: every={slow} is not a multiple of the faster period "
                     f"{fast}; the periods of a nested system must divide one another"
                 )
-        windows = [level for level in levels if level.is_window]
-        if windows:
-            window = min(windows, key=lambda level: level.every)
+        outer = [level for level in levels if level.learns_outer_loss]
+        if outer:
+            shortest = min(outer, key=lambda level: level.every)
             for level in levels:
-                if not (level.is_outer or level in windows) and window.every % level.every:
+                if not (level.is_outer or level in outer) and shortest.every % level.every:
                     raise ValueError(
-                        f"level {level.name!r}: every={level.every} does not divide the window "
-                        f"every={window.every} of {window.name!r}, in which the model runs"
+                        f"level {level.name!r}: every={level.every} does not divide the period "
+                        f"every={shortest.every} of {shortest.name!r}, in which the model runs"
                     )
         self.levels: tuple[Level, ...] = tuple(
             sorted(levels, key=lambda level: float("inf") if level.is_outer else level.every)

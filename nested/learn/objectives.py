@@ -147,13 +147,13 @@ def next_token(logits: jax.Array, batch: Mapping[str, Any]) -> tuple[jax.Array, 
 
 
 @dataclasses.dataclass(frozen=True)
-class Window:
-    """The outer objective restricted to a level's window (dynamic evaluation).
+class OuterLoss:
+    """The outer objective restricted to the tokens of a level's period (dynamic evaluation).
 
-    A fast level with this objective is a *model-level* level: its memory is part of the model
-    (e.g. a CMS block), the model runs window by window, and after each window the level takes
-    the gradient of the window's summed token losses ``sum_t token_loss_t`` with respect to its
-    parameters (see :mod:`nested.core.windows`). ``token_loss(logits, batch) -> (B, T)``.
+    A fast level with this objective learns from the outer loss: its memory is part of the
+    model (e.g. a CMS block), the model runs period by period, and the level accumulates the
+    gradient of each span's summed token losses ``sum_t token_loss_t`` with respect to its
+    parameters (see :mod:`nested.core.outer_loss`). ``token_loss(logits, batch) -> (B, T)``.
     """
 
     token_loss: Any = token_cross_entropy
@@ -163,4 +163,4 @@ class Window:
         return self.token_loss(logits, batch)
 
 
-window = Window()
+outer_loss = OuterLoss()

@@ -229,7 +229,7 @@ def cms(
     return Level(
         name,
         memory=memories.MLP(d_k, d_v, hidden=hidden or 4 * d_k),
-        objective=objectives.window,
+        objective=objectives.outer_loss,
         update=rules.gradient_descent(lr, momentum=momentum or None),
         every=every,
         **level_kwargs,

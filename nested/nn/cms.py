@@ -2,9 +2,9 @@
 
 A chain of residual MLP blocks, ``x <- x + MLP_{theta_j}(norm_j(x))`` for ``j = 1..K``, where
 block ``j`` is a fast level updated every ``C_j`` tokens (``C_1 | C_2 | ... | C_K``) from the
-gradients it accumulated over its window: the level's objective is the outer loss restricted
-to the window (:class:`nested.objectives.Window`, dynamic evaluation; see
-:mod:`nested.core.windows`), its update rule any optax transformation (no per-token gates). Between
+gradients it accumulated over its period: the level's objective is the outer loss restricted
+to the period (:class:`nested.objectives.OuterLoss`, dynamic evaluation; see
+:mod:`nested.core.outer_loss`), its update rule any rule without per-token gates. Between
 updates a block is a plain MLP; its initial parameters ``theta_j^0`` are slow parameters the
 outer level meta-learns through every update.
 """
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested.core import windows
+from nested.core import outer_loss
 from nested.core.level import Level, LevelState
 from nested.nn.layers import initial_memories, per_sequence
 
@@ -36,15 +36,15 @@ class ContinuumMemory(nnx.Module):
     """CMS over ``x (B, T, dim)``: one block per level in ``levels`` (fastest first).
 
     Each level's memory must map ``dim -> dim`` (e.g. ``nested.memories.MLP(dim, dim,
-    hidden)``) and its objective must be a :class:`nested.objectives.Window`.
+    hidden)``) and its objective must be a :class:`nested.objectives.OuterLoss`.
     """
 
     def __init__(self, levels: Sequence[Level], *, dim: int, rngs: nnx.Rngs):
         for level in levels:
-            if not level.is_window:
+            if not level.learns_outer_loss:
                 raise ValueError(
                     f"level {level.name!r}: a CMS block learns from the outer loss over its "
-                    f"window; use objective=nested.objectives.window"
+                    f"period; use objective=nested.objectives.outer_loss"
                 )
             if (level.memory.d_k, level.memory.d_v) != (dim, dim):
                 raise ValueError(
@@ -53,7 +53,7 @@ class ContinuumMemory(nnx.Module):
                 )
             if not _reads_rows(level.memory, dim):
                 raise ValueError(
-                    f"level {level.name!r}: a CMS block reads a window's tokens at once, so "
+                    f"level {level.name!r}: a CMS block reads a period's tokens at once, so "
                     f"its memory's apply must map rows of keys (..., {dim}) -> (..., {dim}) "
                     "(the nested.memories.Memory protocol; the built-in memories do)"
                 )
@@ -65,7 +65,7 @@ class ContinuumMemory(nnx.Module):
 
     def initial_state(self, batch_size: int) -> tuple[LevelState, ...]:
         return tuple(
-            windows.initial_state(level, per_sequence(init.get_value(), batch_size))
+            outer_loss.initial_state(level, per_sequence(init.get_value(), batch_size))
             for level, init in zip(self.levels, self.initial_params, strict=True)
         )
 

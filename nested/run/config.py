@@ -84,10 +84,10 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
     schema.check_required(key, values, fields)
     values = {k: v for k, v in values.items() if v is not None}
     level = schema.wrapped(key, recipes.named()[rule], name, **values)
-    if level.is_window and task.seq_len % level.every:
+    if level.learns_outer_loss and task.seq_len % level.every:
         raise ConfigError(
             f"{key}.every={level.every} does not divide the task's sequence length "
-            f"{task.seq_len} (the model runs window by window); allowed: "
+            f"{task.seq_len} (the model runs period by period); allowed: "
             f"{schema.divisors(task.seq_len)}"
         )
     return level
@@ -95,7 +95,7 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
 
 def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
     """Periods the inner loops can run: chunking is whole update chunks, and levels that see
-    a stream across sequences (or learn window by window) see whole ones per sequence."""
+    a stream across sequences (or learn period by period) see whole ones per sequence."""
     every = _positive(f"{key}.every", values.get("every", 1))
     for field in ("chunk", "truncate"):
         value = values.get(field)

@@ -1,24 +1,24 @@
-"""Model-level fast levels: dynamic evaluation of a model, window by window.
+"""Levels that learn from the outer loss: dynamic evaluation of a model, period by period.
 
-A fast level whose objective is :class:`nested.objectives.Window` learns from the *outer*
-objective restricted to its window rather than from a local loss of (key, value) items: its
-memory is a part of the model (a CMS block, say). The scheduler then runs the model over
-windows of ``w`` tokens, ``w`` the smallest period among such levels, carrying every fast
-state (layer-local memories keep running inside each window). After each window it takes the
-gradient of the window's summed token losses with respect to every model-level memory (each
-sequence of the batch has its own copy, so these are per-sequence gradients), adds it to the
-level's accumulator, and at multiples of the level's period ``C`` steps the level's rule on
-the mean accumulated gradient:
+A fast level whose objective is :class:`nested.objectives.OuterLoss` learns from the *outer*
+objective restricted to the tokens of its period rather than from a local loss of (key, value)
+items: its memory is a part of the model (a CMS block, say). The scheduler then runs the model
+over spans of ``w`` tokens, ``w`` the shortest period among such levels, carrying every fast
+state (layer-local memories keep running inside each span). After each span it takes the
+gradient of the span's summed token losses with respect to every such memory (each sequence of
+the batch has its own copy, so these are per-sequence gradients), adds it to the level's
+accumulator, and at multiples of the level's period ``C`` steps the level's rule on the mean
+accumulated gradient:
 
     g = (1/C) sum_{t in the last C tokens} grad_theta l_t(theta)      when tick % C == 0
     theta <- theta + rule(g)                                           (else unchanged)
 
 So the parameters change exactly at multiples of ``C`` and nowhere else, every gradient of a
 period is taken at the same parameters (mini-batch semantics), and token ``t`` is predicted
-with the parameters from before its window was learned (predict, then learn). The outer
-level differentiates through all of it (second order through every window's gradient), so it
-meta-learns the blocks' initial parameters; a ``first_order`` level's window gradients are
-constants to it (no backward of the window's backward pass).
+with the parameters from before its span was learned (predict, then learn). The outer level
+differentiates through all of it (second order through every span's gradient), so it
+meta-learns the blocks' initial parameters; a ``first_order`` level's gradients are constants
+to it (no backward of the span's backward pass).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import optax
 from nested.core.level import Level, LevelState
 
 
-class WindowCache(NamedTuple):
+class Accumulated(NamedTuple):
     """Gradient accumulated since the last update, and tokens seen in the stream ``(B,)``."""
 
     accum: Any
@@ -43,7 +43,7 @@ def initial_state(level: Level, params: Any) -> LevelState:
     """The state of a model-level memory from its parameters with a leading batch dim."""
     batch = jax.tree.leaves(params)[0].shape[0]
     opt_state = jax.vmap(level.rule.transform.init)(params)
-    cache = WindowCache(jax.tree.map(jnp.zeros_like, params), jnp.zeros((batch,), jnp.int32))
+    cache = Accumulated(jax.tree.map(jnp.zeros_like, params), jnp.zeros((batch,), jnp.int32))
     return LevelState(params, opt_state, cache, level.name)
 
 
@@ -66,7 +66,7 @@ def _advance(level: Level, state: LevelState, grad: Any, tokens: int) -> LevelSt
         (state.params, state.opt_state),
     )
     accum = _per_sequence(due, jax.tree.map(jnp.zeros_like, accum), accum)
-    return state.replace(params=params, opt_state=opt_state, cache=WindowCache(accum, tick))
+    return state.replace(params=params, opt_state=opt_state, cache=Accumulated(accum, tick))
 
 
 def _truncate(level: Level, state: LevelState) -> LevelState:
@@ -76,28 +76,28 @@ def _truncate(level: Level, state: LevelState) -> LevelState:
     return _per_sequence(cut, jax.lax.stop_gradient(state), state)
 
 
-def window_length(levels: dict[str, Level]) -> int:
+def shortest_period(levels: dict[str, Level]) -> int:
     return min(level.every for level in levels.values())
 
 
 def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tuple[Any, Any]:
-    """Run ``model(inputs, fast) -> (logits, fast)`` window by window, stepping the
-    model-level ``levels`` (name -> Level) after each window; ``batch`` holds the
-    ``targets`` (and ``mask``) the window objectives need. Returns ``(logits, fast)``."""
-    w = window_length(levels)
+    """Run ``model(inputs, fast) -> (logits, fast)`` span by span (the shortest period),
+    stepping the outer-loss ``levels`` (name -> Level) after each span; ``batch`` holds the
+    ``targets`` (and ``mask``) their objectives need. Returns ``(logits, fast)``."""
+    w = shortest_period(levels)
     B, T = inputs.shape
     if T % w:
         name = min(levels.values(), key=lambda level: level.every).name
         raise ValueError(
-            f"sequence length {T} is not a multiple of the window every={w} of level {name!r}: "
-            f"use sequences whose length is a multiple of {w}"
+            f"sequence length {T} is not a multiple of the period every={w} of level {name!r} "
+            f"(the model runs period by period): use sequences whose length is a multiple of {w}"
         )
     seqs = {"inputs": inputs, **{k: batch[k] for k in ("targets", "mask") if k in batch}}
-    windows = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B, T // w, w), 1, 0), seqs)
+    spans = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B, T // w, w), 1, 0), seqs)
     objectives = list(dict.fromkeys(level.objective for level in levels.values()))
 
     @jax.checkpoint
-    def step(fast, window):
+    def step(fast, span):
         leaves, treedef = jax.tree.flatten(fast, is_leaf=lambda x: isinstance(x, LevelState))
         index = [i for i, x in enumerate(leaves) if isinstance(x, LevelState) and x.level in levels]
         for i in index:
@@ -107,14 +107,14 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             current = list(leaves)
             for i, params in zip(index, memory_params, strict=True):
                 current[i] = current[i].replace(params=params)
-            return model(window["inputs"], jax.tree.unflatten(treedef, current))
+            return model(span["inputs"], jax.tree.unflatten(treedef, current))
 
         logits, pullback, new_fast = jax.vjp(
             forward, [leaves[i].params for i in index], has_aux=True
         )
         grads = [None] * len(index)
         for objective in objectives:
-            seed = jax.grad(lambda lg, o=objective: jnp.sum(o(lg, window)))(logits)
+            seed = jax.grad(lambda lg, o=objective: jnp.sum(o(lg, span)))(logits)
             (memory_grads,) = pullback(seed)
             for n, i in enumerate(index):
                 level = levels[leaves[i].level]
@@ -126,5 +126,5 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)
         return jax.tree.unflatten(treedef, new_leaves), logits
 
-    fast, logits = jax.lax.scan(step, fast, windows)
+    fast, logits = jax.lax.scan(step, fast, spans)
     return jnp.moveaxis(logits, 0, 1).reshape(B, T, -1), fast
