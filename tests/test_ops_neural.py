@@ -9,7 +9,7 @@ import pytest
 import reference_neural as ref
 
 from nested import ops
-from nested.ops import neural_chunk
+from nested.ops import chunk_coefficients, chunk_scan
 
 B, H, DK, DV, HIDDEN = 2, 2, 3, 3, 5
 FORM = {"activation": "gelu", "residual_norm": False, "norm_eps": 1e-6}
@@ -126,9 +126,9 @@ TITANS_CASES = [
 def test_titans_matches_reference(t, chunk, read, monkeypatch):
     if chunk == 1:  # online blocks of 4 (the last partial), and the two-level remat of long
         # sequences: 5 blocks -> segments of 3
-        monkeypatch.setattr(neural_chunk, "ONLINE_BLOCK", 4)
-        monkeypatch.setattr(neural_chunk, "FLAT_CHUNKS", 3)
-        assert neural_chunk.segment_size(5) == 3
+        monkeypatch.setattr(chunk_scan, "ONLINE_BLOCK", 4)
+        monkeypatch.setattr(chunk_scan, "FLAT_CHUNKS", 3)
+        assert chunk_scan.segment_size(5) == 3
     x = make_inputs(t)
     params = make_params()
     args = (x["q"], x["k"], x["v"], x["lr"], x["momentum"], x["decay"], params, small(params, 3))
@@ -165,12 +165,10 @@ def _online_case(name):
 
 
 def _minibatch_scan_rule(carry, seq, *, chunk_size, form, read, window):
-    """``neural_chunk.scan_rule`` through the mini-batch path even at chunk size 1 (every
+    """``chunk_scan.scan_rule`` through the mini-batch step even at chunk size 1 (every
     gradient at the state before its token; plain autodiff, differentiable to any order)."""
-    step = functools.partial(
-        neural_chunk.linear_rule_step, form=form, read=read, window=window, online=False
-    )
-    return neural_chunk.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+    step = functools.partial(chunk_scan.minibatch_step, form=form, read=read, window=window)
+    return chunk_scan.scan_chunks(step, carry, seq, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("name", ["titans", "ttt_mlp"])
@@ -179,7 +177,7 @@ def test_online_backward_is_differentiable(name, monkeypatch):
     the gradient of <VJP(cot), direction> w.r.t. every input equals autodiff's through the
     mini-batch path at chunk size 1, the same rule (what a meta-gradient through a level that
     itself takes gradients of the op computes)."""
-    monkeypatch.setattr(neural_chunk, "ONLINE_BLOCK", 4)  # blocks of 4: 3 blocks, last partial
+    monkeypatch.setattr(chunk_scan, "ONLINE_BLOCK", 4)  # blocks of 4: 3 blocks, last partial
     fn, args = _online_case(name)
     cot = small(fn(*args), 7)
     direction = small(args, 8)
@@ -197,7 +195,7 @@ def test_online_backward_is_differentiable(name, monkeypatch):
 
     got = second_order_grad()(*args)
     with monkeypatch.context() as patch:
-        patch.setattr(neural_chunk, "scan_rule", _minibatch_scan_rule)
+        patch.setattr(chunk_scan, "scan_rule", _minibatch_scan_rule)
         expected = second_order_grad()(*args)
     assert_tree_close(got, expected)
 
@@ -454,8 +452,8 @@ def test_decay_products_and_their_derivatives_equal_the_plain_products():
 
     @jax.jit
     def derivatives(x):
-        second = jax.hessian(lambda x: jnp.sum(weights * neural_chunk.products_below(x)))
-        f = neural_chunk.products_below
+        second = jax.hessian(lambda x: jnp.sum(weights * chunk_coefficients.products_below(x)))
+        f = chunk_coefficients.products_below
         return f(x), jax.jacrev(f)(x), jax.jacfwd(f)(x), second(x)
 
     @jax.jit
@@ -541,7 +539,7 @@ def test_bad_inputs_raise():
         ops.ttt_mlp(q, k, v, lr, params=params, chunk_size=0)
     with pytest.raises(ValueError, match="lr"):
         ops.ttt_mlp(q, k, v, lr[:, :3], params=params, chunk_size=2)
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match=r"`k` must have shape \(B, T, H, d_k\)"):
         ops.ttt_mlp(q[..., :2], k, v, lr, params=params, chunk_size=2)
     with pytest.raises(ValueError, match=r"params\[0\]\['w'\]"):
         ops.ttt_mlp(q, k, v, lr, params=make_params(d_in=4), chunk_size=2)
@@ -641,5 +639,5 @@ def test_stream_needs_one_state_and_matching_pending():
     with pytest.raises(ValueError, match="exactly one of"):
         ops.stream(ops.ttt_mlp, *args, chunk_size=4)
     _, params, pending = ops.stream(ops.ttt_mlp, *args, chunk_size=4, params=make_params())
-    with pytest.raises(ValueError, match="pending holds 4 arrays but 3 inputs"):
+    with pytest.raises(ValueError, match=r"`pending` must hold one array per input \(3\), got 4"):
         ops.stream(ops.ttt_mlp, *args[:3], pending=pending, chunk_size=4, params=params)

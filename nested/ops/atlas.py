@@ -35,9 +35,10 @@ import jax.numpy as jnp
 
 from nested.learn.memories import polynomial_features  # noqa: F401 - re-exported by nested.ops
 from nested.learn.rules import newton_schulz
+from nested.ops import chunk_coefficients as cc
+from nested.ops import chunk_scan as cs
 from nested.ops import mlp_memory as mm
-from nested.ops import neural_chunk as nc
-from nested.ops.titans import check_state
+from nested.ops import validation
 
 
 class AtlasState(NamedTuple):
@@ -68,13 +69,17 @@ def atlas_state(params: mm.Params, *, window: int, d_k: int, momentum=None) -> A
     )
 
 
-def _muon_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int, steps: int):
-    """One chunk with Muon: per-token momenta S_t formed from the factors, then orthogonalised."""
-    params, momentum, prefix = carry
-    k, v, band, prefix = nc.window_samples(prefix, xs, window)
-    inputs, deltas = mm.sample_grads(params, k, v, form)
-    coef = nc.coefficients(xs, band)
-    lam, mom_base, step = coef["lam"], coef["mom_base"], xs["step_out"]
+def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window, steps):
+    """One chunk with Muon: the per-token momenta formed from the factors, orthogonalised,
+
+        S_t = P_t S_s - sum_i Lambda_{t,i} grad l_i(theta_s),
+        theta_t = A_t theta_s + sum_{r <= t} D^alpha_{t,r} h_r NS_K(S_r)
+
+    (``chunk_coefficients``). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_v))."""
+    k, v, band, prefix = cs.window_samples(carry.prefix, chunk, window)
+    grads = mm.sample_grads(carry.params, k, v, form)
+    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band)
+    lam, mom_base = coef.lam, coef.mom_base
 
     def per_token(p, s, x, d):
         grad_w = jnp.einsum("bhtn,bhno,bhni->bhtoi", lam, d, x)
@@ -85,20 +90,20 @@ def _muon_step(carry, xs, *, form: mm.MemoryForm, read: str, window: int, steps:
                 "bhtn,bhno->bhto", lam, d
             )
             u_t["b"] = s_t["b"]
-        # theta_t = A_t theta_s + sum_r D^alpha_{t,r} h_r U_r
         theta_t = {
-            name: nc.scale_rows(coef["base"], p[name][:, :, None])
-            + nc.accumulate(coef["keep"], nc.scale_rows(step, u_t[name]))
+            name: cc.scale_rows(coef.base, p[name][:, :, None])
+            + cc.accumulate(coef.keep, cc.scale_rows(chunk.step_out, u_t[name]))
             for name in p
         }
         return s_t, theta_t
 
-    states = [per_token(*layer) for layer in zip(params, momentum, inputs, deltas, strict=True)]
+    layers = zip(carry.params, carry.momentum, *grads, strict=True)
+    states = [per_token(*layer) for layer in layers]
     s_t = tuple(s for s, _ in states)
     theta_t = tuple(t for _, t in states)
-    o = mm.mlp_apply(theta_t if read == "after_write" else params, xs["q"], form)
+    o = mm.mlp_apply(theta_t if read == "after_write" else carry.params, chunk.q, form)
     last = lambda tree: jax.tree.map(lambda x: x[:, :, -1], tree)
-    return (last(theta_t), last(s_t), prefix), o
+    return cs.ScanCarry(last(theta_t), last(s_t), prefix), o
 
 
 def atlas(
@@ -136,50 +141,35 @@ def atlas(
     Returns:
       o (B, T, H, d_v) and the final ``AtlasState``.
     """
-    form = mm.make_form(activation, residual_norm, norm_eps)
-    gate_arrays = {"lr": lr, "momentum": momentum, "decay": decay, "gates": gates}
-    batch, _, heads = nc.check_sequence(q, k, v, gate_arrays, chunk_size)
-    nc.check_read(read)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}.")
-    if isinstance(muon_steps, bool) or not isinstance(muon_steps, int) or muon_steps < 0:
-        raise ValueError(f"muon_steps must be an int >= 0, got {muon_steps!r}.")
+    validation.check_activation(activation)
+    b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
+    validation.check_gates(b, t, h, lr=lr, momentum=momentum, decay=decay, gates=gates)
+    validation.check_int("chunk_size", chunk_size)
+    validation.check_read(read)
+    validation.check_int("window", window)
+    validation.check_int("muon_steps", muon_steps, 0)
     phi = (lambda x: x) if feature_map is None else feature_map
     d_phi = jax.eval_shape(phi, jax.ShapeDtypeStruct(k.shape[-1:], k.dtype)).shape[-1]
-    check_state(state, batch=batch, heads=heads, d_in=d_phi, d_out=v.shape[-1], form=form)
+    validation.check_memory_state(
+        state, b=b, h=h, d_in=d_phi, d_out=d_v, residual_norm=residual_norm
+    )
     if not isinstance(state, AtlasState):
-        state = atlas_state(state[0], window=window, d_k=k.shape[-1], momentum=state[1])
-    buf = (batch, heads, window - 1)
-    if (
-        state.keys.shape != (*buf, k.shape[-1])
-        or state.values.shape != (*buf, v.shape[-1])
-        or (state.gates.shape != buf)
-    ):
-        raise ValueError(
-            f"state window buffer has keys {state.keys.shape}, values {state.values.shape}, gates "
-            f"{state.gates.shape}; window={window} needs {(*buf, k.shape[-1])}, "
-            f"{(*buf, v.shape[-1])}, {buf}. Build it with atlas_state(params, window=...)."
-        )
-    dtype = jnp.result_type(q, k, v, *gate_arrays.values(), *jax.tree.leaves(tuple(state)))
-    state = nc.cast(state, dtype)
-    q, k, v, lr, momentum, decay, gates = nc.cast((q, k, v, lr, momentum, decay, gates), dtype)
-    seq = {
-        "q": phi(q),
-        "k": phi(k),
-        "v": v,
-        "step_in": jnp.ones_like(lr),
-        "step_out": lr,
-        "mom": momentum,
-        "keep": 1 - decay,
-        "gate": gates,
-    }
-    prefix = {"k": phi(state.keys), "v": state.values, "gate": state.gates} if window > 1 else None
-    carry = (tuple(state.params), tuple(state.momentum), prefix)
+        state = atlas_state(state[0], window=window, d_k=d_k, momentum=state[1])
+    validation.check_window_buffer(state, b=b, h=h, window=window, d_k=d_k, d_v=d_v)
+    form = mm.make_form(activation, residual_norm, norm_eps)
+    dtype = jnp.result_type(q, k, v, lr, momentum, decay, gates, *jax.tree.leaves(tuple(state)))
+    state = cs.cast(state, dtype)
+    q, k, v, lr, momentum, decay, gates = cs.cast((q, k, v, lr, momentum, decay, gates), dtype)
+    seq = cs.ChunkInputs(
+        phi(q), phi(k), v, jnp.ones_like(lr), step_out=lr, mom=momentum, keep=1 - decay, gate=gates
+    )
+    prefix = cs.Samples(phi(state.keys), state.values, state.gates) if window > 1 else None
+    carry = cs.ScanCarry(tuple(state.params), tuple(state.momentum), prefix)
     if muon_steps:
         step = partial(_muon_step, form=form, read=read, window=window, steps=muon_steps)
-        o, (params, mom, _) = nc.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+        o, final = cs.scan_chunks(step, carry, seq, chunk_size=chunk_size)
     else:
-        o, (params, mom, _) = nc.scan_rule(
+        o, final = cs.scan_rule(
             carry, seq, chunk_size=chunk_size, form=form, read=read, window=window
         )
     # The buffer for the next call: the last c - 1 samples (raw keys) of old buffer + sequence.
@@ -187,5 +177,9 @@ def atlas(
         :, :, old.shape[2] + new.shape[1] - (window - 1) :
     ]
     return o, AtlasState(
-        params, mom, tail(state.keys, k), tail(state.values, v), tail(state.gates, gates)
+        final.params,
+        final.momentum,
+        tail(state.keys, k),
+        tail(state.values, v),
+        tail(state.gates, gates),
     )

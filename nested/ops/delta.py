@@ -30,7 +30,7 @@ def linear_attention(q, k, v, *, initial_state=None, chunk_size=None, scale=1.0)
     """
     b, _, h, dk, dv = validation.check_qkv(q, k, v)
     validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size)
+    validation.check_int("chunk_size", chunk_size, optional=True)
     size = chunk_size or default_chunk_size(erase=False)
     return delta_family(
         q * scale,
@@ -89,11 +89,9 @@ def gated_delta_rule(
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
     """
-    if (alpha is None) == (log_alpha is None):
-        raise ValueError("Pass exactly one of `alpha` and `log_alpha` to gated_delta_rule.")
-    if log_alpha is None:
-        return _delta(q, k, v, beta, "alpha", alpha, initial_state, chunk_size, scale)
-    return _delta(q, k, v, beta, "log_alpha", log_alpha, initial_state, chunk_size, scale)
+    name = validation.check_one_of({"alpha": alpha is not None, "log_alpha": log_alpha is not None})
+    gate = alpha if name == "alpha" else log_alpha
+    return _delta(q, k, v, beta, name, gate, initial_state, chunk_size, scale)
 
 
 def _delta(q, k, v, beta, gate_name, gate, initial_state, chunk_size, scale):
@@ -104,7 +102,7 @@ def _delta(q, k, v, beta, gate_name, gate, initial_state, chunk_size, scale):
     if gate is not None:
         validation.check_shape(gate_name, gate, (b, t, h), "(B, T, H)")
     validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size)
+    validation.check_int("chunk_size", chunk_size, optional=True)
     return delta_family(
         q * scale,
         k,

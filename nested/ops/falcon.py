@@ -72,10 +72,9 @@ def falcon(
     else:
         validation.check_shape("beta", beta, (b, t, h), "(B, T, H) or (B, T, H, d_v)")
     validation.check_shape("lam", lam, (b, t, h), "(B, T, H)")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"`window` must be a positive int, got {window!r}.")
+    validation.check_int("window", window)
     validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size)
+    validation.check_int("chunk_size", chunk_size, optional=True)
 
     norm = _window_sum(jnp.sum(jnp.square(x), axis=-1), window) + lam + eps  # (B, T, H)
     if per_channel:

@@ -42,7 +42,7 @@ def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=Non
     validation.check_shape("write", write, (b, t, h, dv), "(B, T, H, d_v)")
     validation.check_shape("log_decay", log_decay, (b, t, h, dk), "(B, T, H, d_k)")
     validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size)
+    validation.check_int("chunk_size", chunk_size, optional=True)
     if scale is None:
         scale = dk**-0.5
     u = jnp.sqrt(erase) * k

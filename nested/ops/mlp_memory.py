@@ -41,10 +41,7 @@ class MemoryForm(NamedTuple):
 
 
 def make_form(activation, residual_norm, norm_eps=1e-6) -> MemoryForm:
-    if not callable(activation) and activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation={activation!r} is unknown; use one of {sorted(ACTIVATIONS)} or a callable."
-        )
+    """The ``MemoryForm`` of an op's memory arguments (``validation.check_activation`` first)."""
     return MemoryForm(activation, bool(residual_norm), float(norm_eps))
 
 
@@ -82,46 +79,6 @@ def init_mlp_memory(
     return tuple(layers)
 
 
-def memory_dims(params: Params) -> tuple[int, int]:
-    """(d_in, d_out) of a memory."""
-    return params[0]["w"].shape[-1], params[-1]["w"].shape[-2]
-
-
-def check_params(params, *, batch: int, heads: int, d_in: int, d_out: int, form: MemoryForm, name):
-    """Raise ValueError unless ``params`` is a well-formed memory for inputs of these sizes."""
-    if (
-        not isinstance(params, tuple | list)
-        or not params
-        or not all(isinstance(layer, dict) and "w" in layer for layer in params)
-    ):
-        raise ValueError(
-            f"{name} must be a non-empty tuple of layers {{'w': (B, H, d_out, d_in)[, 'b']}}, "
-            "e.g. from nested.ops.init_mlp_memory."
-        )
-    prev = d_in
-    for i, layer in enumerate(params):
-        w = layer["w"]
-        if w.ndim != 4 or w.shape[:2] != (batch, heads) or w.shape[3] != prev:
-            raise ValueError(
-                f"{name}[{i}]['w'] has shape {w.shape}, expected ({batch}, {heads}, d_out, {prev})."
-            )
-        prev = w.shape[2]
-        if "b" in layer and layer["b"].shape != (batch, heads, prev):
-            raise ValueError(
-                f"{name}[{i}]['b'] has shape {layer['b'].shape}, "
-                f"expected ({batch}, {heads}, {prev})."
-            )
-        if set(layer) - {"w", "b"}:
-            raise ValueError(f"{name}[{i}] has unknown keys {sorted(set(layer) - {'w', 'b'})}.")
-    if prev != d_out:
-        raise ValueError(f"{name} outputs dim {prev} but the values have dim {d_out}.")
-    if form.residual_norm and d_in != d_out:
-        raise ValueError(
-            f"residual_norm=True needs the memory input dim ({d_in}) to equal its output dim "
-            f"({d_out}); set residual_norm=False or make them equal."
-        )
-
-
 def _forward(linear: Callable[[int, Array], Array], x: Array, depth: int, form: MemoryForm):
     """The network, with each layer's affine map supplied by ``linear(layer, input)``."""
     return mlp_forward(linear, x, depth, form.act, form.residual_norm, form.norm_eps)
@@ -145,14 +102,30 @@ def mlp_apply(params: Params, x: Array, form: MemoryForm = DEFAULT_FORM) -> Arra
     return _forward(lambda layer, u: affine(params[layer], u), x, len(params), form)
 
 
-def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm):
-    """Per-sample gradients of ``l_i = 1/2 |f_theta(x_i) - v_i|^2`` at shared params, factorised.
+class GradFactors(NamedTuple):
+    """Per-sample loss gradients in factors, per layer l: ``grad_W_l l_n = deltas[l][n]
+    inputs[l][n]^T``, ``grad_b_l l_n = deltas[l][n]`` (``sample_grads``)."""
+
+    inputs: tuple[Array, ...]  # per layer (B, H, N, d_l): the layer's inputs x_l
+    deltas: tuple[Array, ...]  # per layer (B, H, N, d_{l+1}): d l_n / d(pre-activation)
+
+
+class ThetaCoefficients(NamedTuple):
+    """A state in dual form over rows r (tokens, or one row for a shared state):
+
+    theta_r = base_r theta_s + carry_r S_s - sum_n gamma_{r,n} grad l_n(theta_s).
+    """
+
+    base: Array  # A (B, H, R)
+    carry: Array | None  # c (B, H, R); None without momentum
+    gamma: Array  # Gamma (B, H, R, N)
+
+
+def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm) -> GradFactors:
+    """Per-sample gradients of ``l_n = 1/2 |f_theta(x_n) - v_n|^2`` at shared params, factorised.
 
     Args:
       x: (B, H, N, d_in) samples; v: (B, H, N, d_out) targets.
-    Returns:
-      ``(inputs, deltas)``, per layer ``(B, H, N, d_l)`` and ``(B, H, N, d_{l+1})``:
-      ``grad_W_l l_i = deltas[l][i] inputs[l][i]^T``, ``grad_b_l l_i = deltas[l][i]``.
     """
 
     def forward(offsets):
@@ -168,13 +141,13 @@ def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm):
     offsets = [jnp.zeros((*x.shape[:-1], layer["w"].shape[-2]), x.dtype) for layer in params]
     out, vjp, inputs = jax.vjp(forward, offsets, has_aux=True)
     (deltas,) = vjp(out - v)
-    return inputs, deltas
+    return GradFactors(tuple(inputs), tuple(deltas))
 
 
-def weighted_grads(weights: Array, inputs, deltas, params: Params) -> Params:
-    """``sum_i weights_i grad l_i`` as a params-shaped pytree; weights (B, H, N)."""
+def weighted_grads(weights: Array, grads: GradFactors, params: Params) -> Params:
+    """``sum_n weights_n grad l_n`` as a params-shaped pytree; weights (B, H, N)."""
     out = []
-    for layer, x, d in zip(params, inputs, deltas, strict=True):
+    for layer, x, d in zip(params, grads.inputs, grads.deltas, strict=True):
         wd = d * weights[..., None]
         grad = {"w": jnp.einsum("bhno,bhni->bhoi", wd, x)}
         if "b" in layer:
@@ -195,54 +168,49 @@ def dual_scores(layer, u: Array, inputs: Array) -> Array:
     return scores + 1.0 if layer is not None and "b" in layer else scores
 
 
-def dual_combine(base, carry, state: Array, mom: Array | None, weights: Array, buf: Array):
-    """``base state + carry mom - sum_n weights_n buf_n``, the dual form's sum for rows:
-    state, mom (B, H, R, d) (mom None without momentum), base, carry (B, H, R) or (B, H, 1),
-    weights (B, H, R, N), buf (B, H, N, d). Returns (B, H, R, d)."""
-    z = base[..., None] * state - jnp.einsum("bhrn,bhnd->bhrd", weights, buf)
-    return z if mom is None else z + carry[..., None] * mom
+def dual_combine(
+    theta: ThetaCoefficients, state: Array, mom: Array | None, scores: Array, buf: Array
+) -> Array:
+    """The dual form's sum for rows r: ``base_r state_r + carry_r mom_r - sum_n gamma_{r,n}
+    scores_{r,n} buf_n``. state, mom (B, H, R, d) (mom None without momentum); ``theta``'s
+    base, carry (B, H, R) and gamma (B, H, R, N), or R = 1 for one state shared by the rows;
+    scores (B, H, R, N), buf (B, H, N, d). Returns (B, H, R, d)."""
+    weights = theta.gamma * scores
+    z = theta.base[..., None] * state - jnp.einsum("bhrn,bhnd->bhrd", weights, buf)
+    return z if mom is None else z + theta.carry[..., None] * mom
 
 
-def dual_affine(layer, mom_layer, base, carry, gamma, u: Array, inputs, deltas) -> Array:
-    """One layer's affine map at ``theta_t = base theta_s + carry S_s - sum_n gamma_n grad l_n``
-    (dual form: theta_t is not formed), for rows u (B, H, R, d_in):
+def dual_affine(layer, mom_layer, theta: ThetaCoefficients, u: Array, inputs, deltas) -> Array:
+    """One layer's affine map at the dual-form state ``theta`` (theta_r is not formed), for rows
+    u (B, H, R, d_in):
 
-        base (W_s u + b_s) + carry (M_s u + m_s) - sum_n gamma_n (x_n . u + 1) d_n
+        base_r (W_s u + b_s) + carry_r (M_s u + m_s) - sum_n gamma_{r,n} (x_n . u + 1) d_n
 
     (the 1 only with biases). ``layer``, ``mom_layer``: the layer of theta_s and of S_s (None
-    without momentum); base, carry: (B, H, R), or (B, H, 1) for one state shared by the rows;
-    gamma: (B, H, R, N) or (B, H, 1, N); inputs (B, H, N, d_in), deltas (B, H, N, d_out): the
-    layer's gradient factors (``sample_grads``). Returns (B, H, R, d_out)."""
+    without momentum); inputs (B, H, N, d_in), deltas (B, H, N, d_out): the layer's gradient
+    factors (``sample_grads``). Returns (B, H, R, d_out)."""
     mom = None if mom_layer is None else affine(mom_layer, u)
-    weights = gamma * dual_scores(layer, u, inputs)
-    return dual_combine(base, carry, affine(layer, u), mom, weights, deltas)
+    scores = dual_scores(layer, u, inputs)  # before W u: sets the order u's cotangents sum in
+    return dual_combine(theta, affine(layer, u), mom, scores, deltas)
 
 
 def dual_read(
     params: Params,
     momentum: Params | None,
-    base: Array,
-    carry: Array | None,
-    gamma: Array,
+    theta: ThetaCoefficients,
     x: Array,
-    inputs,
-    deltas,
+    grads: GradFactors,
     form: MemoryForm,
 ) -> Array:
-    """Read ``o_t = f_{theta_t}(x_t)`` without forming theta_t (dual form).
+    """Read ``o_r = f_{theta_r}(x_r)`` without forming theta_r (dual form).
 
-    ``theta_t = base_t theta_s + carry_t S_s - sum_i gamma_{t,i} grad l_i(theta_s)`` with theta_s
-    = ``params``, S_s = ``momentum``, the gradients given by ``sample_grads`` factors; every
-    layer through :func:`dual_affine`.
-
-    Args:
-      base, carry: (B, H, C); gamma: (B, H, C, N); x: (B, H, C, d_in).
-    Returns:
-      (B, H, C, d_out).
+    theta_s = ``params``, S_s = ``momentum`` (None without momentum), the gradients in
+    ``grads``; every layer through :func:`dual_affine`. x (B, H, C, d_in) -> (B, H, C, d_out).
     """
 
     def linear(layer, u):
         mom = None if momentum is None else momentum[layer]
-        return dual_affine(params[layer], mom, base, carry, gamma, u, inputs[layer], deltas[layer])
+        factors = grads.inputs[layer], grads.deltas[layer]
+        return dual_affine(params[layer], mom, theta, u, *factors)
 
     return _forward(linear, x, len(params), form)

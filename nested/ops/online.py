@@ -14,7 +14,7 @@ factors (x_i, delta_i) of the block's earlier samples,
 (beta = 1 with biases). A token runs the network forward (z_l = Lin_l(x_l), x_{l+1} =
 act(z_l)) and its loss backward (delta_{L-1} from the output, delta_{l-1} = act'(z_{l-1})^T
 Lin_l^T delta_l), and appends its factors (x_l, delta_l) to the block's buffers: a scan over
-tokens, C = ONLINE_BLOCK of them (``neural_chunk``).
+tokens, C = ONLINE_BLOCK of them (``nested.ops.chunk_scan``); ``block_grads`` is the entry.
 
 The backward of that scan is written out (``jax.custom_vjp``): a reverse scan over tokens that
 reads the finished buffers (token t's coefficients are zero on rows it had not yet seen, so the
@@ -23,7 +23,7 @@ delta_i . delta_t, and sums the parameters' cotangents once a block (one matmul 
 per-token cotangents). Autodiff of the scan instead stores the buffers per token, adds a
 parameter-sized cotangent per token and runs about four times the forward's operations a token.
 The forward's outputs and residuals are named ``SAVED``, which the block's rematerialisation
-keeps (``neural_chunk.scan_chunks``), so the backward does not rerun the scan. The nonlinear
+keeps (``chunk_scan.scan_chunks``), so the backward does not rerun the scan. The nonlinear
 pieces (activation, residual LayerNorm head) are row-local and differentiated by ``jax.vjp``;
 only the dual-form maps are transposed by hand, so every memory form (depth, activation,
 biases, residual norm, momentum, ATLAS's windows of gated samples) takes this path. The
@@ -32,9 +32,11 @@ forward-mode (``jax.jvp``) is not available for chunk size 1, as for any ``custo
 """
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nested.learn.memories import mlp_output
@@ -46,9 +48,25 @@ Array = jax.Array
 SAVED = "online_factors"
 
 
+class FirstLayer(NamedTuple):
+    """The first layer's maps of a block's samples x (its inputs, known for the whole block),
+    per token t and its w samples: one matmul each for the block, not one a token."""
+
+    state: Array  # W_s x + b_s (B, H, C, w, d_1)
+    momentum: Array | None  # M_s x + m_s (B, H, C, w, d_1); None without momentum
+    scores: Array  # x . x_n (+ 1 with a bias) (B, H, C, w, N)
+
+
 def _per_token(a: Array | None) -> Array | None:
     """A token's (B, H) coefficient as (B, H, 1): one state shared by the token's rows."""
     return None if a is None else a[:, :, None]
+
+
+def _token_rows(coef: mm.ThetaCoefficients) -> mm.ThetaCoefficients:
+    """A token's (A, c, Gamma) as one dual-form state shared by its rows."""
+    return mm.ThetaCoefficients(
+        _per_token(coef.base), _per_token(coef.carry), coef.gamma[:, :, None]
+    )
 
 
 def _head_delta(form: mm.MemoryForm, z: Array, v: Array, x0: Array | None) -> Array:
@@ -73,15 +91,14 @@ def _matvec(layer: dict | None, u: Array, transpose: bool = False) -> Array | No
 def _forward_token(params, momentum, form, bufs, xs):
     """One token: its factors appended to the buffers, and what the backward needs of it."""
     hidden, deltas = bufs  # hidden[l - 1]: layer l's inputs (l >= 1); deltas[l]: layer l's
-    t, base, carry, gamma, (state, mom, scores), v, x0 = xs
+    t, coef, first, v, x0 = xs
     depth = len(deltas)
-    row, g = (_per_token(base), _per_token(carry)), gamma[:, :, None, :]
-    weights = lambda s: g * s
-    z, inputs = [mm.dual_combine(*row, state, mom, weights(scores), deltas[0])], []
+    row = _token_rows(coef)
+    z, inputs = [mm.dual_combine(row, *first, deltas[0])], []
     for layer in range(1, depth):
         u = form.act(z[-1])
         m = None if momentum is None else momentum[layer]
-        z.append(mm.dual_affine(params[layer], m, *row, g, u, hidden[layer - 1], deltas[layer]))
+        z.append(mm.dual_affine(params[layer], m, row, u, hidden[layer - 1], deltas[layer]))
         inputs.append(u)
     delta = [None] * depth
     delta[-1] = _head_delta(form, z[-1], v, x0)
@@ -90,10 +107,10 @@ def _forward_token(params, momentum, form, bufs, xs):
         p, m = params[layer], None if momentum is None else momentum[layer]
         overlaps[layer] = mm.dual_scores(None, delta[layer], deltas[layer])
         back[layer] = mm.dual_combine(
-            *row,
+            row,
             _matvec(p, delta[layer], True),
             _matvec(m, delta[layer], True),
-            weights(overlaps[layer]),
+            overlaps[layer],
             hidden[layer - 1],
         )
         delta[layer - 1] = _act_pullback(form, z[layer - 1], back[layer])
@@ -117,9 +134,9 @@ def _block_forward(form, params, momentum, coef, first, v, x0):
     empty = lambda d: jnp.zeros((*v.shape[:2], c * w, d), v.dtype)
     bufs = (
         tuple(empty(layer["w"].shape[-1]) for layer in params[1:]),
-        tuple(map(empty, [first[0].shape[-1]] + [layer["w"].shape[-2] for layer in params[1:]])),
+        tuple(map(empty, [first.state.shape[-1]] + [layer["w"].shape[-2] for layer in params[1:]])),
     )
-    xs = (jnp.arange(c), *_tokens((*coef, first, v, x0)))
+    xs = (jnp.arange(c), *_tokens((coef, first, v, x0)))
     return jax.lax.scan(partial(_forward_token, params, momentum, form), bufs, xs)
 
 
@@ -131,24 +148,24 @@ def _transpose_map(p, m, transposed, coef, u, ct_z, buf_in, buf_out, scores, mas
     scores_n = u . buf_in_n (+ 1), W^T in place of W for ``transposed`` (Lin^T, no bias), for
     z's cotangent ``ct_z``. Returns (ct_u, (ct_base, ct_carry, ct_gamma), ct_buf_in,
     ct_buf_out); the parameters' cotangents are summed over the block by the caller."""
-    base, carry, gamma = coef
+    row = _token_rows(coef)
     a = mm.dual_scores(None, ct_z, buf_out)  # (B, H, w, N): buf_out_n . ct_z
-    ga = gamma[:, :, None, :] * a
+    ga = row.gamma * a
     wt, mt = _matvec(p, ct_z, not transposed), _matvec(m, ct_z, not transposed)
-    ct_u = mm.dual_combine(_per_token(base), _per_token(carry), wt, mt, ga, buf_in)
+    ct_u = mm.dual_combine(row, wt, mt, a, buf_in)
     sum_rows = jnp.sum(ct_z, axis=2)
 
     def ct_scale(layer, prod):
         ct = jnp.sum(u * prod, axis=(-2, -1))
         return ct + jnp.sum(layer["b"] * sum_rows, -1) if "b" in layer and not transposed else ct
 
-    ct_coef = (
+    ct_coef = mm.ThetaCoefficients(
         ct_scale(p, wt),
         None if m is None else ct_scale(m, mt),
         -jnp.sum(scores * a, axis=2) * mask,
     )
     ct_buf_in = -jnp.einsum("bhrn,bhri->bhni", ga, u)
-    ct_buf_out = -jnp.einsum("bhrn,bhro->bhno", gamma[:, :, None, :] * scores, ct_z)
+    ct_buf_out = -jnp.einsum("bhrn,bhro->bhno", row.gamma * scores, ct_z)
     return ct_u, ct_coef, ct_buf_in, ct_buf_out
 
 
@@ -163,6 +180,7 @@ def _backward_token(params, momentum, form, finals, cts, xs):
     t, coef, (state, mom, scores), v, x0, (z, back, overlaps) = xs
     base, carry, gamma = coef
     depth, w = len(deltas), v.shape[2]
+    row = _token_rows(coef)
     # The rows token t had seen: its gamma's cotangent is zero elsewhere, where the forward
     # read zeros but the finished buffers hold later tokens' factors.
     mask = (jnp.arange(gamma.shape[-1]) < t * w).astype(gamma.dtype)[None, None]
@@ -171,9 +189,11 @@ def _backward_token(params, momentum, form, finals, cts, xs):
     ct_in = [rows(b) for b in ct_hidden]
     ct_d = [rows(b) for b in ct_deltas]
     ct_z = [jnp.zeros_like(x) for x in z]
-    ct_coef = (jnp.zeros_like(base), None if carry is None else jnp.zeros_like(carry), 0.0)
-    add = lambda acc, new: tuple(
-        None if a is None else a + b for a, b in zip(acc, new, strict=True)
+    ct_coef = mm.ThetaCoefficients(
+        jnp.zeros_like(base), None if carry is None else jnp.zeros_like(carry), 0.0
+    )
+    add = lambda acc, new: mm.ThetaCoefficients(
+        *(None if a is None else a + b for a, b in zip(acc, new, strict=True))
     )
     ct_back = []
     layers = lambda l: (params[l], None if momentum is None else momentum[l])
@@ -226,19 +246,17 @@ def _backward_token(params, momentum, form, finals, cts, xs):
 
     # The first layer: z_0 = base state + carry mom - sum_n gamma_n scores_n delta0_n.
     a = mm.dual_scores(None, ct_z[0], deltas[0])
-    first = (
+    first = FirstLayer(
         mm.scale(base, ct_z[0]),
         None if carry is None else mm.scale(carry, ct_z[0]),
-        -gamma[:, :, None, :] * a,
+        -row.gamma * a,
     )
     rowdot = lambda x: jnp.sum(x * ct_z[0], axis=(-2, -1))
     ct_coef = add(
         ct_coef,
         (rowdot(state), None if mom is None else rowdot(mom), -jnp.sum(scores * a, 2) * mask),
     )
-    ct_deltas[0] = ct_deltas[0] - jnp.einsum(
-        "bhrn,bhro->bhno", gamma[:, :, None, :] * scores, ct_z[0]
-    )
+    ct_deltas[0] = ct_deltas[0] - jnp.einsum("bhrn,bhro->bhno", row.gamma * scores, ct_z[0])
     ys = (ct_coef, first, ct_v, ct_x0, tuple(ct_z[1:]), tuple(ct_back))
     return (tuple(ct_hidden), tuple(ct_deltas)), ys
 
@@ -256,8 +274,9 @@ def _param_cts(params, momentum, coef, finals, ct_z, ct_back, w):
         if layers is None:
             return None
         rows = jnp.repeat(a, w, axis=2)  # a token's coefficient on each of its rows
-        direct = mm.weighted_grads(rows, hidden, cz, layers[1:])
-        through = mm.weighted_grads(rows, ce, deltas[1:], ({},) * len(ce))  # no bias term
+        direct = mm.weighted_grads(rows, mm.GradFactors(hidden, cz), layers[1:])
+        no_bias = ({},) * len(ce)
+        through = mm.weighted_grads(rows, mm.GradFactors(ce, deltas[1:]), no_bias)
         pairs = zip(direct, through, strict=True)
         return (None, *({**d, "w": d["w"] + t["w"]} for d, t in pairs))
 
@@ -272,10 +291,9 @@ def block_factors(form, params, momentum, coef, first, v, x0):
       form: the memory's ``MemoryForm``.
       params, momentum: the block-start state theta_s and S_s (momentum None without one);
         layer 0 is not read (pass None): its products come in ``first``.
-      coef: per token (A, c, Gamma) of theta_{t-1}: (B, H, C), (B, H, C) or None,
-        (B, H, C, N) over the N = C w samples (column j w + s: token j's sample s).
-      first: per token the first layer's (W_s k + b_s, M_s k + m_s or None, scores
-        k . k_n (+ 1)), (B, H, C, w, d_1) twice and (B, H, C, w, N).
+      coef: per token the coefficients of theta_{t-1} (rows: the C tokens), over the N = C w
+        samples (column j w + s: token j's sample s).
+      first: the first layer's maps of the samples (``FirstLayer``).
       v: (B, H, C, w, d_out) targets; x0: the samples (B, H, C, w, d_in) for the residual
         norm head (else None).
     Returns:
@@ -303,3 +321,53 @@ def _bwd(form, saved, cts):
 
 
 block_factors.defvjp(_fwd, _bwd)
+
+
+def sample_rows(c: int, window: int) -> np.ndarray:
+    """(C, window): the rows of token t's samples in [prefix; chunk] arrays, t .. t + window - 1."""
+    return np.arange(c)[:, None] + np.arange(window)
+
+
+def block_grads(
+    params: mm.Params,
+    momentum: mm.Params | None,
+    before: mm.ThetaCoefficients,
+    k: Array,
+    v: Array,
+    form: mm.MemoryForm,
+    window: int,
+) -> mm.GradFactors:
+    """Gradient factors of the online rule over one block of C tokens: token t's gradient is
+    taken at theta_{t-1}, in dual form over the block's earlier tokens (``block_factors``).
+
+    Args:
+      params, momentum: the block-start state theta_s, S_s (momentum None without one).
+      before: the coefficients of theta_{t-1}: base, carry (B, H, C), gamma (B, H, C, C window),
+        column j window + s the s-th sample of token j.
+      k, v: (B, H, window - 1 + C, d) samples: token t's window is rows t .. t + window - 1.
+    Returns:
+      the factors of the C window samples, token by token (as ``mlp_memory.sample_grads``).
+    """
+    c = before.base.shape[-1]
+    rows = sample_rows(c, window)
+    keys = k[:, :, rows.reshape(-1)]  # (B, H, C * window, d)
+    per_token = lambda x: x.reshape(*x.shape[:2], c, window, x.shape[-1])
+    # The first layer's inputs are the samples, known for the whole block: its products with
+    # the block-start state and its dual-form scores are one matmul each, not one a token.
+    scores = mm.dual_scores(params[0], keys, keys)
+    first = FirstLayer(
+        per_token(mm.affine(params[0], keys)),
+        None if momentum is None else per_token(mm.affine(momentum[0], keys)),
+        per_token(scores),
+    )
+    rest = lambda p: None if p is None else (None, *p[1:])
+    hidden, deltas = block_factors(
+        form,
+        rest(params),
+        rest(momentum),
+        before,
+        first,
+        v[:, :, rows],
+        per_token(keys) if form.residual_norm else None,
+    )
+    return mm.GradFactors((keys, *hidden), deltas)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from nested.ops import validation
+
 STATE_ARGS = ("state", "params", "initial_state")
 
 
@@ -43,17 +45,9 @@ def stream(
       ``(o, state, pending)``: the piece's outputs ``(B, T, H, d_v)``, the state at the last
       chunk boundary and the tokens after it (a tuple like ``inputs``, or None).
     """
-    names = [name for name in STATE_ARGS if name in kwargs]
-    if len(names) != 1:
-        raise ValueError(
-            f"stream: pass the op's state as exactly one of {STATE_ARGS}, got {names or 'none'}"
-        )
+    name = validation.check_one_of({n: n in kwargs for n in STATE_ARGS}, "the op's state as ")
+    validation.check_pending(pending, inputs)
     if pending is not None:
-        if len(pending) != len(inputs):
-            raise ValueError(
-                f"stream: pending holds {len(pending)} arrays but {len(inputs)} inputs were "
-                "given; pass the previous piece's pending with the same inputs"
-            )
         pairs = zip(pending, inputs, strict=True)
         inputs = tuple(jnp.concatenate([p, x], axis=1) for p, x in pairs)
     replayed = 0 if pending is None else pending[0].shape[1]
@@ -62,11 +56,11 @@ def stream(
     piece = lambda lo, hi: tuple(x[:, lo:hi] for x in inputs)
     outputs = []
     if boundary:
-        o, kwargs[names[0]] = op(*piece(0, boundary), chunk_size=chunk_size, **kwargs)
+        o, kwargs[name] = op(*piece(0, boundary), chunk_size=chunk_size, **kwargs)
         outputs.append(o)
     pending = None
     if boundary < length:
         pending = piece(boundary, length)
         outputs.append(op(*pending, chunk_size=chunk_size, **kwargs)[0])
     o = jnp.concatenate(outputs, axis=1)[:, replayed:]
-    return o, kwargs[names[0]], pending
+    return o, kwargs[name], pending

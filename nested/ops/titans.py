@@ -9,7 +9,7 @@ data-dependent m_t (momentum retention), h_t (step size), a_t (forgetting), all 
 
 The paper's loss has no 1/2: its step h equals 2 h here. Chunked (mini-batch) form, chunk C:
 every gradient of a chunk is taken at its start theta_s; momentum and decay stay exact linear
-recurrences over the chunk, computed in parallel (``nested.ops.neural_chunk``). Reads:
+recurrences over the chunk, computed in parallel (``nested.ops.chunk_coefficients``). Reads:
 
 - ``read="after_write"``: o_t = f_{theta_t}(q_t), theta_t the state after token t's write
   (dual form, as TTT). chunk_size=1 is the exact online recurrence.
@@ -22,8 +22,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nested.ops import chunk_scan as cs
 from nested.ops import mlp_memory as mm
-from nested.ops import neural_chunk as nc
+from nested.ops import validation
 
 
 class TitansState(NamedTuple):
@@ -39,20 +40,6 @@ def titans_state(params: mm.Params, momentum: mm.Params | None = None) -> Titans
     if momentum is None:
         momentum = jax.tree.map(jnp.zeros_like, params)
     return TitansState(params, tuple(momentum))
-
-
-def check_state(state, *, batch, heads, d_in, d_out, form) -> None:
-    """Validate (params, momentum) of a momentum rule."""
-    if not isinstance(state, tuple) or len(state) < 2:
-        raise ValueError("state must be (params, momentum), e.g. nested.ops.titans_state(params).")
-    mm.check_params(
-        state[0], batch=batch, heads=heads, d_in=d_in, d_out=d_out, form=form, name="state.params"
-    )
-    shapes = lambda tree: jax.tree.map(jnp.shape, tuple(tree))
-    if jax.tree.structure(tuple(state[0])) != jax.tree.structure(tuple(state[1])) or shapes(
-        state[0]
-    ) != shapes(state[1]):
-        raise ValueError("state.momentum must have the structure and shapes of state.params.")
 
 
 def titans(
@@ -85,17 +72,18 @@ def titans(
     Returns:
       o (B, T, H, d_v) and the final ``TitansState``.
     """
+    validation.check_activation(activation)
+    b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
+    validation.check_gates(b, t, h, lr=lr, momentum=momentum, decay=decay)
+    validation.check_int("chunk_size", chunk_size)
+    validation.check_read(read)
+    validation.check_memory_state(state, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm)
     form = mm.make_form(activation, residual_norm, norm_eps)
-    gates = {"lr": lr, "momentum": momentum, "decay": decay}
-    batch, _, heads = nc.check_sequence(q, k, v, gates, chunk_size)
-    nc.check_read(read)
-    check_state(state, batch=batch, heads=heads, d_in=k.shape[-1], d_out=v.shape[-1], form=form)
-    dtype = jnp.result_type(q, k, v, *gates.values(), *jax.tree.leaves(tuple(state[:2])))
+    dtype = jnp.result_type(q, k, v, lr, momentum, decay, *jax.tree.leaves(tuple(state[:2])))
     # step_out = 1 marks real tokens: padding (0) must not add the carried momentum again.
-    seq = {"q": q, "k": k, "v": v, "step_in": lr, "mom": momentum, "keep": 1 - decay}
-    seq["step_out"] = jnp.ones_like(lr)
-    carry = nc.cast((tuple(state[0]), tuple(state[1])), dtype) + (None,)
-    o, (params, mom, _) = nc.scan_rule(
-        carry, nc.cast(seq, dtype), chunk_size=chunk_size, form=form, read=read, window=1
+    seq = cs.ChunkInputs(q, k, v, lr, step_out=jnp.ones_like(lr), mom=momentum, keep=1 - decay)
+    carry = cs.ScanCarry(*cs.cast((tuple(state[0]), tuple(state[1])), dtype), None)
+    o, final = cs.scan_rule(
+        carry, cs.cast(seq, dtype), chunk_size=chunk_size, form=form, read=read, window=1
     )
-    return o, TitansState(params, mom)
+    return o, TitansState(final.params, final.momentum)

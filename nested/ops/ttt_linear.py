@@ -40,7 +40,7 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
     b, t, h, dk, dv = validation.check_qkv(q, k, v)
     validation.check_shape("lr", lr, (b, t, h), "(B, T, H)")
     validation.check_state(initial_state, b, h, dv, dk)
-    validation.check_chunk_size(chunk_size, required=True)
+    validation.check_int("chunk_size", chunk_size)
     return delta_family(
         q * scale,
         k,

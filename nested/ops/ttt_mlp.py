@@ -17,8 +17,9 @@ chunk_size=1 it is online gradient descent (for a depth-1 memory: the delta rule
 import jax
 import jax.numpy as jnp
 
+from nested.ops import chunk_scan as cs
 from nested.ops import mlp_memory as mm
-from nested.ops import neural_chunk as nc
+from nested.ops import validation
 
 
 def ttt_mlp(
@@ -48,21 +49,18 @@ def ttt_mlp(
     Returns:
       o (B, T, H, d_v) read after each token's write, and the final params.
     """
-    form = mm.make_form(activation, residual_norm, norm_eps)
-    batch, _, heads = nc.check_sequence(q, k, v, {"lr": lr}, chunk_size)
-    mm.check_params(
-        params,
-        batch=batch,
-        heads=heads,
-        d_in=k.shape[-1],
-        d_out=v.shape[-1],
-        form=form,
-        name="params",
+    validation.check_activation(activation)
+    b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
+    validation.check_gates(b, t, h, lr=lr)
+    validation.check_int("chunk_size", chunk_size)
+    validation.check_params(
+        params, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm, name="params"
     )
+    form = mm.make_form(activation, residual_norm, norm_eps)
     dtype = jnp.result_type(q, k, v, lr, *jax.tree.leaves(params))
-    seq = nc.cast({"q": q, "k": k, "v": v, "step_in": lr}, dtype)
-    carry = (nc.cast(tuple(params), dtype), None, None)
-    o, (params, _, _) = nc.scan_rule(
+    seq = cs.cast(cs.ChunkInputs(q, k, v, step_in=lr), dtype)
+    carry = cs.ScanCarry(cs.cast(tuple(params), dtype), None, None)
+    o, final = cs.scan_rule(
         carry, seq, chunk_size=chunk_size, form=form, read="after_write", window=1
     )
-    return o, params
+    return o, final.params

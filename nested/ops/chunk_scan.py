@@ -1,0 +1,225 @@
+"""The Type II ops' momentum rule over a sequence: a scan over chunks, mini-batch or online.
+
+The rule and the coefficients of a chunk are ``nested.ops.chunk_coefficients``'s. Two steps
+run it over a chunk of tokens, both reading and writing the state in dual form
+(``mlp_memory.dual_read``) from one set of coefficients:
+
+- ``minibatch_step`` (``every = C``): within a chunk starting at (theta_s, S_s) every gradient
+  is taken at theta_s (``mlp_memory.sample_grads``).
+- ``online_step`` (chunk size 1: token t's gradient at theta_{t-1}) keeps those coefficients:
+  the gradients are still rank-one per sample, only taken at different states. It runs in
+  blocks of ONLINE_BLOCK tokens; inside a block a scan over tokens computes each token's
+  gradient factors at theta_{t-1} = A_{t-1} theta_s + c_{t-1} S_s - sum_{i<t} Gamma_{t-1,i}
+  grad l_i in dual form (``nested.ops.online``: matrix-vector products with the block-start
+  state, never a per-token state; its backward is written out), then the block's reads and
+  its end state are formed as for a chunk.
+
+Reads: ``"after_write"`` reads theta_t (dual form), ``"chunk_start"`` reads theta_s, or for the
+online rule theta_{t-1}. Sequences of any length are padded with inert tokens (m = alpha = 1,
+u = w = 0, gate 0, zero inputs: ``INERT``) that leave (theta, S) unchanged, then sliced; the
+chunk loop is a ``lax.scan`` whose body is rematerialised (``jax.checkpoint``) so the backward
+stores only chunk-boundary states.
+"""
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nested.ops import chunk_coefficients as cc
+from nested.ops import mlp_memory as mm
+from nested.ops import online
+
+Array = jax.Array
+
+# Up to this many chunks the backward stores every chunk's state; beyond, segments of chunks.
+FLAT_CHUNKS = 64
+# Tokens per scan step of the online rule (chunk size 1): the state is formed once a block.
+ONLINE_BLOCK = 16
+READS = ("after_write", "chunk_start")
+
+
+class ChunkInputs(NamedTuple):
+    """The rule's per-token inputs, (B, T, H, ...) for a sequence and (B, H, C, ...) in a chunk
+    (``scan_chunks``); the gates are (B, T, H) or (B, H, C), None where the op has no such term."""
+
+    q: Array  # queries (..., d_in)
+    k: Array  # sample keys (..., d_in)
+    v: Array  # sample targets (..., d_out)
+    step_in: Array  # u: the gradient's step into the momentum
+    step_out: Array | None = None  # w: the momentum's step into theta (None: 1)
+    mom: Array | None = None  # m: momentum retention (None: no momentum)
+    keep: Array | None = None  # alpha = 1 - a: theta's retention (None: 1)
+    gate: Array | None = None  # g: Omega sample gates (None: one sample a token, weight 1)
+
+
+# Padding that makes a token a no-op of the rule: no step, retentions 1, no samples.
+INERT = ChunkInputs(q=0.0, k=0.0, v=0.0, step_in=0.0, step_out=0.0, mom=1.0, keep=1.0, gate=0.0)
+
+
+class Samples(NamedTuple):
+    """Omega-window samples: keys (B, H, N, d_in), values (B, H, N, d_out), gates (B, H, N)."""
+
+    k: Array
+    v: Array
+    gate: Array
+
+
+class ScanCarry(NamedTuple):
+    """The state between chunks: theta_s and S_s (params-shaped, leading (B, H); momentum None
+    without momentum) and the window - 1 samples before the chunk (None without a window)."""
+
+    params: mm.Params
+    momentum: mm.Params | None
+    prefix: Samples | None
+
+
+def cast(tree, dtype):
+    """Cast every array leaf to the compute dtype (the scan carry must keep one dtype)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def window_samples(prefix: Samples | None, chunk: ChunkInputs, window: int):
+    """Samples (k, v) the chunk's losses use, their Omega band (None: one sample per token), and
+    the prefix (last window - 1 samples) carried to the next chunk."""
+    if chunk.gate is None:
+        return chunk.k, chunk.v, None, prefix
+    if window == 1:
+        return chunk.k, chunk.v, cc.window_band(chunk.gate, 1), prefix
+    samples = Samples(chunk.k, chunk.v, chunk.gate)
+    k, v, g = (jnp.concatenate([p, x], axis=2) for p, x in zip(prefix, samples, strict=True))
+    tail = Samples(k[:, :, 1 - window :], v[:, :, 1 - window :], g[:, :, 1 - window :])
+    return k, v, cc.window_band(g, window), tail
+
+
+def next_carry(
+    carry: ScanCarry,
+    coef: cc.ChunkCoefficients,
+    theta: mm.ThetaCoefficients,
+    grads: mm.GradFactors,
+    prefix: Samples | None,
+) -> ScanCarry:
+    """(theta, S) after the chunk's last token (inert padding rows change nothing):
+
+        theta = A theta_s + c S_s - sum_i Gamma_i grad l_i,   S = P S_s - sum_i Lambda_i grad l_i,
+
+    the coefficients' last rows. The minus sign goes into the (N,) weights, not onto
+    parameter-sized arrays."""
+    params, momentum = carry.params, carry.momentum
+    last = lambda x: None if x is None else x[..., -1]
+    base, carry_c, mom_base = last(theta.base), last(theta.carry), last(coef.mom_base)
+    gamma, lam = theta.gamma[..., -1, :], coef.lam[..., -1, :]
+    steps = mm.weighted_grads(-gamma, grads, params)
+    if momentum is None:
+        new_params = jax.tree.map(lambda p, g: mm.scale(base, p) + g, params, steps)
+        return ScanCarry(new_params, None, prefix)
+    new_params = jax.tree.map(
+        lambda p, s, g: mm.scale(base, p) + mm.scale(carry_c, s) + g, params, momentum, steps
+    )
+    steps = mm.weighted_grads(-lam, grads, params)
+    new_momentum = jax.tree.map(lambda s, g: mm.scale(mom_base, s) + g, momentum, steps)
+    return ScanCarry(new_params, new_momentum, prefix)
+
+
+def minibatch_step(carry: ScanCarry, chunk: ChunkInputs, *, form: mm.MemoryForm, read, window):
+    """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
+    ATLAS without Muon). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
+    k, v, band, prefix = window_samples(carry.prefix, chunk, window)
+    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band)
+    theta = cc.theta_coefficients(coef, chunk.step_out)
+    grads = mm.sample_grads(carry.params, k, v, form)
+    if read == "after_write":
+        o = mm.dual_read(carry.params, carry.momentum, theta, chunk.q, grads, form)
+    else:
+        o = mm.mlp_apply(carry.params, chunk.q, form)
+    return next_carry(carry, coef, theta, grads, prefix), o
+
+
+def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, read, window):
+    """One block of the online rule: token t's gradient at theta_{t-1} (``online.block_grads``).
+    block: (B, H, C, ...) for C = ONLINE_BLOCK tokens. Returns (carry, o (B, H, C, d_out))."""
+    k, v, band, prefix = window_samples(carry.prefix, block, window)
+    coef = cc.coefficients(block.step_in, block.mom, block.keep, None)
+    theta = cc.theta_coefficients(coef, block.step_out)
+    before = cc.before_each_token(theta)
+    # Per-token coefficients spread over each token's samples (columns (token, sample)),
+    # times the samples' gates.
+    c = theta.base.shape[-1]
+    if band is None:
+        gates = jnp.ones((*theta.base.shape, 1), theta.base.dtype)
+    else:
+        gates = band[:, :, np.arange(c)[:, None], online.sample_rows(c, window)]
+    per_sample = lambda m: (m[..., None] * gates[:, :, None]).reshape(*m.shape[:-1], -1)
+    before = before._replace(gamma=per_sample(before.gamma))
+    theta = theta._replace(gamma=per_sample(theta.gamma))
+    coef = coef._replace(lam=per_sample(coef.lam))
+    grads = online.block_grads(carry.params, carry.momentum, before, k, v, form, window)
+    read_at = theta if read == "after_write" else before
+    o = mm.dual_read(carry.params, carry.momentum, read_at, block.q, grads, form)
+    return next_carry(carry, coef, theta, grads, prefix), o
+
+
+def scan_rule(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, form, read, window):
+    """The rule over a sequence (``scan_chunks``): ``minibatch_step`` over chunks of
+    ``chunk_size``, or for ``chunk_size=1`` ``online_step`` over blocks of ONLINE_BLOCK."""
+    online_rule = chunk_size == 1
+    step = partial(
+        online_step if online_rule else minibatch_step, form=form, read=read, window=window
+    )
+    return scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online_rule else chunk_size)
+
+
+def segment_size(n_chunks: int) -> int:
+    """Chunks per rematerialised segment: 1 (flat) up to FLAT_CHUNKS chunks, else the size in
+    [sqrt(n) / 2, sqrt(n)] that pads the fewest chunks (the largest among equals): 8 for 128."""
+    if n_chunks <= FLAT_CHUNKS:
+        return 1
+    root = math.isqrt(n_chunks - 1) + 1
+    return min(range(root, max(2, root // 2) - 1, -1), key=lambda g: -n_chunks % g)
+
+
+def scan_chunks(step: Callable, carry, seq: ChunkInputs, *, chunk_size: int):
+    """Run ``step(carry, chunk) -> (carry, o)`` over chunks of a sequence.
+
+    seq: (B, T, H, ...) inputs, padded at the end with ``INERT`` tokens to whole chunks and
+    handed to ``step`` as (B, H, C, ...) chunks. Returns (o (B, T, H, d), carry).
+
+    Each chunk is rematerialised, so the backward keeps one (theta, S) per chunk, plus for the
+    online form the per-token vectors its scan saves (``online.SAVED``: linear in T). Beyond
+    FLAT_CHUNKS chunks (e.g. online sequences beyond 1024 tokens) that state count is cut to
+    about 2 sqrt(n) by rematerialising segments of sqrt(n) chunks too, for one more forward of
+    everything but the online scans (their saved vectors are kept across segments too).
+    """
+    batch, length = seq.q.shape[:2]
+    n_chunks = -(-length // chunk_size)
+    group = segment_size(n_chunks)
+    n_chunks = -(-n_chunks // group) * group
+    pad = n_chunks * chunk_size - length
+
+    def to_chunks(x, inert):
+        if x is None:
+            return None
+        if pad:
+            widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+            x = jnp.pad(x, widths, constant_values=inert)
+        x = x.reshape(batch, n_chunks, chunk_size, *x.shape[2:])
+        x = jnp.moveaxis(x, (1, 3), (0, 2))  # (n, B, H, C, ...)
+        return x if group == 1 else x.reshape(n_chunks // group, group, *x.shape[1:])
+
+    xs = ChunkInputs(*map(to_chunks, seq, INERT))
+    keep = jax.checkpoint_policies.save_only_these_names(online.SAVED)
+    body = jax.checkpoint(step, prevent_cse=False, policy=keep)
+    if group > 1:
+        inner = body
+        body = jax.checkpoint(
+            lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False, policy=keep
+        )
+    carry, o = jax.lax.scan(body, carry, xs)
+    o = o.reshape(n_chunks, *o.shape[-4:])
+    o = jnp.moveaxis(o, (0, 2), (1, 3))  # (B, n, C, H, d)
+    o = o.reshape(batch, n_chunks * chunk_size, *o.shape[3:])
+    return o[:, :length], carry
