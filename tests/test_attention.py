@@ -1,5 +1,6 @@
 """Sliding-window attention and the Titans hybrid mixers (memory as gate / as layer)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +50,7 @@ def assert_streams(layer, x, cuts):
         y, state = call(x[:, start:stop], state)
         pieces.append(y)
     np.testing.assert_allclose(jnp.concatenate(pieces, 1), whole, rtol=1e-5, atol=1e-6)
-    for u, w in zip(jax.tree.leaves(state), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state, final, rtol=1e-5, atol=1e-6)
 
 
 def test_sliding_window_streams():
@@ -160,8 +160,7 @@ def test_memory_as_context_equals_its_per_segment_definition_values_and_gradient
     y, final = jax.jit(mixer)(x, state)
     expected, expected_final = jax.jit(lambda x: mac_by_segments(mixer, x, state))(x)
     np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
-    for u, w in zip(jax.tree.leaves(final), jax.tree.leaves(expected_final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-9, atol=1e-12)
+    chex.assert_trees_all_close(final, expected_final, rtol=1e-9, atol=1e-12)
     weights = jax.random.normal(jax.random.key(3), y.shape, jnp.float64)
     grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(mixer, x, state)[0] * weights)))(x)
     np.testing.assert_allclose(

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,8 +169,7 @@ def test_first_order_levels_take_their_window_gradients_as_constants():
 
         got = jax.jit(jax.grad(library))(theta0)
         expected = jax.jit(jax.grad(lambda t, w=written_out, s=first_order: w(t, s)))(theta0)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+        chex.assert_trees_all_close(got, expected, rtol=1e-9, atol=1e-12)
         grads[first_order] = got
     difference = max(
         float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))

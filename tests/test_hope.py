@@ -1,5 +1,6 @@
 """Hope's self-modifying memory: projection updates, streaming, meta-gradients, an LM."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +58,7 @@ def test_streaming_at_chunk_boundaries(memory):
     a, mid = layer(x[:, : 2 * C], layer.initial_state(2))
     b, end = layer(x[:, 2 * C :], mid)
     np.testing.assert_allclose(jnp.concatenate([a, b], 1), whole, rtol=1e-5, atol=1e-6)
-    for u, w in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(end, final, rtol=1e-5, atol=1e-6)
 
 
 def hope_program(vocab=11):

@@ -1,5 +1,6 @@
 """The generic inner loop equals plain per-token loops written from the equations."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,8 +136,7 @@ def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
         jax.jit(jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1)))(ctx, W0)
         for f in (ours, theirs)
     ]
-    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+    chex.assert_trees_all_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
 
 
 def test_hebbian_is_one_step_of_lr_one_on_the_dot_objective():
@@ -195,8 +195,7 @@ def test_streaming_two_calls_equal_one(every):
     o1, mid = inner.run(level, state, first, path="generic")
     o2, end = inner.run(level, mid, second, path="generic")
     np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-12)
-    for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-12)
+    chex.assert_trees_all_close(end, final, rtol=1e-12)
 
 
 def test_truncation_keeps_values_and_cuts_gradients():

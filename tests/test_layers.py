@@ -1,5 +1,6 @@
 """Memory layers: streaming, Falcon's key alignment, MemT turns, Mixture-of-Storage."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +24,7 @@ def inputs(T, seed=0):
 
 
 def assert_close(a, b, rtol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"key_shift": True}, {"turn": 3}, {"conv": 0}])

@@ -1,5 +1,6 @@
 """Optimizers declared as levels equal the optax optimizers they are."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +39,7 @@ def run(tx, steps=12):
 
 
 def assert_same(a, b, rtol=1e-10):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-12)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=1e-12)
 
 
 def test_momentum_level_is_heavy_ball_sgd():

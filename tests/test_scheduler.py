@@ -1,5 +1,6 @@
 """The compiled program: exact meta-gradients, streaming, persistence, and learning."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,8 +76,7 @@ def test_streaming_one_sequence_in_two_calls_equals_one_call(every):
     first, mid = prog.apply(state.params, x[:, :8])
     second, end = prog.apply(state.params, x[:, 8:], mid)
     np.testing.assert_allclose(jnp.concatenate([first, second], 1), whole, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(end, final, rtol=1e-5, atol=1e-6)
 
 
 def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
