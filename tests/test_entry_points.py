@@ -1,5 +1,6 @@
 """What a new user meets first, running ``experiments/train.py`` as a user does (a subprocess):
-an unusable workdir ends in one line, and a machine without a TPU is not told so at every run."""
+an unusable workdir ends in one line (and a run that fails to build leaves none behind), and a
+machine without a TPU is not told so at every run."""
 
 import logging
 import subprocess
@@ -39,6 +40,13 @@ def test_unusable_workdir_exits_with_one_line_before_building(tmp_path, where):
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: workdir {workdir} cannot be created or written to ("), lines
     assert lines[0].endswith("; pass a folder you can write to (new or of this run)"), lines
+
+
+def test_a_run_that_fails_to_build_leaves_no_workdir(tmp_path):
+    workdir = tmp_path / "new" / "run"
+    rc, _, lines = train(f"--workdir={workdir}", "--config.model.dim=15")
+    assert rc == 1 and len(lines) == 1 and "model.dim=15 is not divisible" in lines[0], lines
+    assert not (tmp_path / "new").exists()
 
 
 def test_no_tpu_note_on_a_machine_without_a_tpu(tmp_path):

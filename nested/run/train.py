@@ -2,7 +2,7 @@
 
 One linear loop over outer steps, read top to bottom:
 
-1. **Build**: create the workdir (:func:`make_workdir`: one that cannot be created or written
+1. **Build**: check the workdir (:func:`check_workdir`: one that cannot be created or written
    to raises first), validate the config and build the task, nested system and program
    (:func:`nested.run.config.build`; a bad config raises before anything is compiled), and the
    device mesh of ``train.mesh`` (:func:`make_layout`).
@@ -284,12 +284,13 @@ def _record_config(config: config_dict.ConfigDict, workdir: Path) -> None:
     write_atomic(path, json.dumps(current, indent=2) + "\n")
 
 
-def make_workdir(workdir: Path) -> None:
-    """Create ``workdir`` (and its parents) unless it exists and check that it takes files;
-    raise :class:`ConfigError` naming it and the fix when it is a file or cannot be created or
-    written to."""
+def check_workdir(workdir: Path) -> None:
+    """Raise :class:`ConfigError` naming ``workdir`` and the fix when it is a file or cannot be
+    created or written to. It is created to find out, then removed again if it was new (with
+    the parents made for it): a run that fails to build leaves nothing behind."""
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"workdir {workdir} is a file; pass a folder (new or of this run)")
+    new = [path for path in (workdir, *workdir.parents) if not path.exists()]  # deepest first
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=workdir).close()
@@ -298,6 +299,10 @@ def make_workdir(workdir: Path) -> None:
             f"workdir {workdir} cannot be created or written to ({error.strerror}); pass a "
             "folder you can write to (new or of this run)"
         ) from error
+    finally:
+        for path in new:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
@@ -343,10 +348,11 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     """
     # 1. Build: the workdir and everything else are checked before anything is compiled.
     workdir = Path(workdir)
-    make_workdir(workdir)
+    check_workdir(workdir)
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
     layout = make_layout(exp)
+    workdir.mkdir(parents=True, exist_ok=True)
     _record_config(config, workdir)
     logging.info("task: %s", task.describe())
     logging.info("system: %s", exp.system)
