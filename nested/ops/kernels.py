@@ -89,74 +89,113 @@ def find(level: Level) -> tuple[Kernel | None, dict[str, str]]:
     return None, reasons
 
 
-# -- checks on a declaration: each returns None if it holds, else the reason ------------------
+# -- checks on a declaration (public: a kernel of your own states its conditions with them) --
+
+Check = Callable[[Level], str | None]
+"""A condition on a declaration: None if it holds, else the reason (one line)."""
 
 
-def _memory(level: Level, *kinds: type) -> str | None:
-    memory = level.memory
-    if isinstance(memory, memories.Featurized) and memories.Featurized in kinds:
-        memory = memory.memory
-        kinds = tuple(k for k in kinds if k is not memories.Featurized)
-    if type(memory) not in kinds:
-        return f"memory is {type(memory).__name__}, not {' or '.join(k.__name__ for k in kinds)}"
-    return None
+def requires(*checks: Check) -> Check:
+    """A kernel's ``mismatch``: the reason of the first check that fails, else None (a check
+    may assume that the ones before it hold)."""
+
+    def mismatch(level: Level) -> str | None:
+        for check in checks:
+            reason = check(level)
+            if reason is not None:
+                return reason
+        return None
+
+    return mismatch
 
 
-def _objective(level: Level, *kinds: type) -> str | None:
-    if type(level.objective) not in kinds:
-        names = " or ".join(k.__name__ for k in kinds)
-        return f"objective is {type(level.objective).__name__}, not {names}"
-    if isinstance(level.objective, objectives.Omega) and type(level.objective.base) is not (
-        objectives.L2
-    ):
-        return f"the Omega objective's base is {type(level.objective.base).__name__}, not L2"
-    return None
+def memory_is(*kinds: type) -> Check:
+    """The memory is exactly one of ``kinds`` (``Featurized`` among them: with an inner
+    memory of the others)."""
+
+    def check(level: Level) -> str | None:
+        memory, allowed = level.memory, kinds
+        if isinstance(memory, memories.Featurized) and memories.Featurized in kinds:
+            memory, allowed = memory.memory, tuple(k for k in kinds if k is not memories.Featurized)
+        if type(memory) not in allowed:
+            names = " or ".join(k.__name__ for k in allowed)
+            return f"memory is {type(memory).__name__}, not {names}"
+        return None
+
+    return check
 
 
-def _rule(level: Level, kind: type, *, without: Sequence[str] = ()) -> str | None:
+def objective_is(*kinds: type) -> Check:
+    """The objective is exactly one of ``kinds`` (an Omega rule: over the L2 loss)."""
+
+    def check(level: Level) -> str | None:
+        objective = level.objective
+        if type(objective) not in kinds:
+            names = " or ".join(k.__name__ for k in kinds)
+            return f"objective is {type(objective).__name__}, not {names}"
+        if isinstance(objective, objectives.Omega) and type(objective.base) is not objectives.L2:
+            return f"the Omega objective's base is {type(objective.base).__name__}, not L2"
+        return None
+
+    return check
+
+
+def rule_is(kind: type, *, without: Sequence[str] = ()) -> Check:
     """The rule is exactly ``kind``, has none of the parts ``without``, and every coefficient
     it has is one number per token and head (a constant or a scalar gate)."""
-    rule = level.rule
-    if type(rule) is not kind:
-        return f"rule is {type(rule).__name__}, not {kind.__name__}"
-    for part in without:
-        if getattr(rule, part) is not None:
-            return f"rule has {part}={getattr(rule, part)!r}; this kernel has no {part}"
-    for role in ("lr", "momentum", "decay"):
-        spec = getattr(rule, role)
-        if isinstance(spec, str) and level.gates[spec].size is not None:
-            return f"rule's {role} gate {spec!r} has size {level.gates[spec].size!r}, not scalar"
-    return None
+
+    def check(level: Level) -> str | None:
+        rule = level.rule
+        if type(rule) is not kind:
+            return f"rule is {type(rule).__name__}, not {kind.__name__}"
+        for part in without:
+            if getattr(rule, part) is not None:
+                return f"rule has {part}={getattr(rule, part)!r}; this kernel has no {part}"
+        for role in ("lr", "momentum", "decay"):
+            spec = getattr(rule, role)
+            if isinstance(spec, str) and level.gates[spec].size is not None:
+                size = level.gates[spec].size
+                return f"rule's {role} gate {spec!r} has size {size!r}, not scalar"
+        return None
+
+    return check
 
 
-def _lr_is(level: Level, value: float) -> str | None:
-    lr = level.rule.lr
-    return None if lr == value else f"rule has lr={lr!r}; this kernel steps with lr={value}"
+def lr_is(value: float) -> Check:
+    def check(level: Level) -> str | None:
+        lr = level.rule.lr
+        return None if lr == value else f"rule has lr={lr!r}; this kernel steps with lr={value}"
+
+    return check
 
 
-def _retention(level: Level, size: str | None) -> str | None:
+def retains(size: str | None) -> Check:
     """The rule retains by a ``log_decay`` gate of ``size`` (None: scalar)."""
-    name = level.rule.retain
-    if name is None:
-        return "rule has no retain gate"
-    gate = level.gates[name]
-    if (gate.kind, gate.size) != ("log_decay", size):
-        return (
-            f"retain gate {name!r} is ({gate.kind!r}, size {gate.size!r}); this kernel takes "
-            f"('log_decay', size {size!r})"
-        )
-    return None
+
+    def check(level: Level) -> str | None:
+        name = level.rule.retain
+        if name is None:
+            return "rule has no retain gate"
+        gate = level.gates[name]
+        if (gate.kind, gate.size) != ("log_decay", size):
+            return (
+                f"retain gate {name!r} is ({gate.kind!r}, size {gate.size!r}); this kernel "
+                f"takes ('log_decay', size {size!r})"
+            )
+        return None
+
+    return check
 
 
-def _online(level: Level) -> str | None:
+def online(level: Level) -> str | None:
     return None if level.every == 1 else f"every={level.every}; this kernel updates every token"
 
 
-def _after_write(level: Level) -> str | None:
+def after_write(level: Level) -> str | None:
     return None if level.read == "after_write" else f"read={level.read!r}, not 'after_write'"
 
 
-def _untruncated(level: Level) -> str | None:
+def untruncated(level: Level) -> str | None:
     return None if level.truncate is None else f"truncate={level.truncate}; kernels do not cut"
 
 
@@ -305,9 +344,6 @@ def _atlas(level: Level, state: LevelState, ctx):
 
 # -- the registry -----------------------------------------------------------------------------
 
-_LINEAR = (memories.Linear,)
-_NEURAL = (memories.Linear, memories.MLP, memories.Featurized)
-
 
 def _level(objective, update, memory=None, **fields) -> Level:
     return Level("memory", memory or memories.Linear(4, 3), objective, update, **fields)
@@ -323,12 +359,12 @@ def _linear_examples(objective, update, **fields) -> Callable[[], list[Level]]:
 register(
     Kernel(
         "linear_attention",
-        lambda level: (
-            _memory(level, *_LINEAR)
-            or _objective(level, objectives.Dot)
-            or _rule(level, rules.GradientDescent, without=("momentum", "decay", "retain"))
-            or _after_write(level)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear),
+            objective_is(objectives.Dot),
+            rule_is(rules.GradientDescent, without=("momentum", "decay", "retain")),
+            after_write,
+            untruncated,
         ),  # dot-product gradients do not depend on W: any period is the same rule
         _on_matrix(_hebbian_op),
         lambda: [
@@ -340,12 +376,12 @@ register(
 register(
     Kernel(
         "delta_rule",
-        lambda level: (
-            _memory(level, *_LINEAR)
-            or _objective(level, objectives.L2)
-            or _rule(level, rules.GradientDescent, without=("momentum", "decay", "retain"))
-            or _after_write(level)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear),
+            objective_is(objectives.L2),
+            rule_is(rules.GradientDescent, without=("momentum", "decay", "retain")),
+            after_write,
+            untruncated,
         ),
         _on_matrix(_delta_op),
         lambda: [
@@ -359,14 +395,14 @@ _LOG_ALPHA = {"retain": rules.Gate("log_decay", init=math.log(0.95))}
 register(
     Kernel(
         "gated_delta_rule",
-        lambda level: (
-            _memory(level, *_LINEAR)
-            or _objective(level, objectives.L2)
-            or _rule(level, rules.GradientDescent, without=("momentum", "decay"))
-            or _retention(level, None)
-            or _online(level)
-            or _after_write(level)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear),
+            objective_is(objectives.L2),
+            rule_is(rules.GradientDescent, without=("momentum", "decay")),
+            retains(None),
+            online,
+            after_write,
+            untruncated,
         ),
         _on_matrix(_gated_delta_op),
         _linear_examples(
@@ -377,13 +413,13 @@ register(
 register(
     Kernel(
         "falcon",
-        lambda level: (
-            _memory(level, *_LINEAR)
-            or _objective(level, objectives.NormalizedRidge)
-            or _rule(level, rules.GradientDescent, without=("momentum", "decay", "retain"))
-            or _online(level)
-            or _after_write(level)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear),
+            objective_is(objectives.NormalizedRidge),
+            rule_is(rules.GradientDescent, without=("momentum", "decay", "retain")),
+            online,
+            after_write,
+            untruncated,
         ),
         _on_matrix(_falcon_op),
         _linear_examples(objectives.NormalizedRidge(), rules.sgd("beta")),
@@ -393,15 +429,15 @@ _KEY_DECAY = {"retain": rules.Gate("log_decay", init=-0.05, size="d_k")}
 register(
     Kernel(
         "gdn2",
-        lambda level: (
-            _memory(level, *_LINEAR)
-            or _objective(level, objectives.ErasedL2)
-            or _rule(level, rules.GradientDescent, without=("momentum", "decay"))
-            or _lr_is(level, 1.0)
-            or _retention(level, "d_k")
-            or _online(level)
-            or _after_write(level)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear),
+            objective_is(objectives.ErasedL2),
+            rule_is(rules.GradientDescent, without=("momentum", "decay")),
+            lr_is(1.0),
+            retains("d_k"),
+            online,
+            after_write,
+            untruncated,
         ),
         _on_matrix(_gdn2_op),
         _linear_examples(
@@ -437,11 +473,11 @@ def _neural_examples() -> list[Level]:
 register(
     Kernel(
         "neural_gradient_descent",
-        lambda level: (
-            _memory(level, *_NEURAL)
-            or _objective(level, objectives.L2)
-            or _rule(level, rules.GradientDescent, without=("retain",))
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear, memories.MLP, memories.Featurized),
+            objective_is(objectives.L2),
+            rule_is(rules.GradientDescent, without=("retain",)),
+            untruncated,
         ),
         _neural_gradient_descent,
         _neural_examples,
@@ -477,11 +513,11 @@ def _atlas_examples() -> list[Level]:
 register(
     Kernel(
         "atlas",
-        lambda level: (
-            _memory(level, *_NEURAL)
-            or _objective(level, objectives.Omega, objectives.L2)
-            or _rule(level, rules.Muon)
-            or _untruncated(level)
+        requires(
+            memory_is(memories.Linear, memories.MLP, memories.Featurized),
+            objective_is(objectives.Omega, objectives.L2),
+            rule_is(rules.Muon),
+            untruncated,
         ),
         _atlas,
         _atlas_examples,
