@@ -152,7 +152,7 @@ def run_turns(level: Level, state: LevelState, ctx: Context, turn: int):
     """MemT turn semantics: the sequence is cut into turns of ``turn`` tokens; every token of
     a turn reads the snapshot ``theta_s`` taken at the turn's start, ``o_t = f_{theta_s}(q_t)``,
     and the turn's tokens are written afterwards, token by token (with the level's own rule
-    and period, fast form included). Returns ``(o, final state)`` like :func:`run`."""
+    and period, its kernel included). Returns ``(o, final state)`` like :func:`run`."""
     T = ctx.k.shape[1]
     full = T // turn * turn
     outputs = []
