@@ -118,7 +118,7 @@ def main():
     parser.add_argument("--peers", action="store_true", help="also run titans-pytorch")
     parser.add_argument("--rounds", type=int, default=1, help="measure everything this often")
     parser.add_argument("--only", default="", help="run only rows whose label contains this")
-    report.add_flag(parser)
+    report.add_flag(parser, "neural_throughput")
     args = parser.parse_args()
     t = args.T
     rows = [  # label, op, chunk, T, config
@@ -132,7 +132,7 @@ def main():
         *[(f"ATLAS+Muon(5) C={c}", "atlas", c, args.muon_T, {"muon_steps": 5}) for c in (16, 1)],
     ]
     rows = [row for row in rows if args.only in row[0]]
-    out = report.Report("neural_throughput")
+    out = report.Report(args.section)
     rounds = []  # per round: label -> measure(), and the peers' tokens/s
     for r in range(args.rounds):
         results = {}

@@ -114,10 +114,10 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra chunk sizes")
     parser.add_argument("--no-per-token", action="store_true", help="skip chunk_size=1 rows")
     parser.add_argument("--peers", action="store_true", help="also run the PyTorch peers")
-    report.add_flag(parser)
+    report.add_flag(parser, "ops_throughput")
     args = parser.parse_args()
 
-    out = report.Report("ops_throughput")
+    out = report.Report(args.section)
     out.print(f"B={B}, H={H}, d_k=d_v={D}, float32, forward+backward\n")
     header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
     header += [f"C={c} tok/s" for c in args.chunks]

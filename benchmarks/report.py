@@ -46,11 +46,23 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-def add_flag(parser: argparse.ArgumentParser) -> None:
-    """``--no-write``: print the tables only."""
+def add_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--no-write``: print the tables only; ``--section``: the README section to write
+    (default ``name``; ``benchmarks/accelerator.py`` writes its runs under other names)."""
     parser.add_argument(
         "--no-write", action="store_true", help=f"print only; do not write {README.name}"
     )
+    parser.add_argument("--section", default=name, help=f"the {README.name} section to write")
+
+
+def peak_memory() -> str | None:
+    """The device's peak memory in use so far, where JAX reports it (GPU, TPU; not the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    limit = stats.get("bytes_limit")
+    total = f" of {limit / 2**30:.1f}" if limit else ""
+    return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB{total}"
 
 
 class Report:
@@ -78,6 +90,7 @@ class Report:
                 begin,
                 f"Latest run: `{command}`, {utc_now()}, {seconds:.0f} s.",
                 f"Machine: {self.machine}.",
+                *([f"Peak device memory: {peak}."] if (peak := peak_memory()) else []),
                 "",
                 *self.lines,
                 end,

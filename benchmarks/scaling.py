@@ -113,10 +113,10 @@ def main():
     parser.add_argument(
         "--no-devices", action="store_true", help="skip the 1 vs 8 simulated devices comparison"
     )
-    report.add_flag(parser)
+    report.add_flag(parser, "scaling")
     args = parser.parse_args()
 
-    out = report.Report("scaling")
+    out = report.Report(args.section)
     out.print(
         f"batch {args.batch}, dim {args.dim}, heads {args.heads}, 2-layer LM, one training step\n"
     )

@@ -1,0 +1,64 @@
+"""One script for a machine with an accelerator: the kernels checked there, then the CPU
+benchmarks' tables measured there.
+
+    python benchmarks/accelerator.py            # GPU or TPU: about 15 minutes
+    python benchmarks/accelerator.py --quick --no-write   # a check of the script itself (CPU)
+
+Steps, each a subprocess (the first failure stops the script with its exit status):
+
+1. correctness on the device: the kernel and op equivalence tests (``tests/test_kernels.py``,
+   ``tests/test_ops_linear.py``, ``tests/test_ops_neural.py``: values and gradients against the
+   generic path and per-token references, float64 where the device has it);
+2. ``ops_throughput.py`` (linear ops), ``neural_throughput.py`` (TTT, Titans, ATLAS) and
+   ``scaling.py`` (one training step of a 2-layer LM: tokens/s and temporary memory as T
+   grows) at accelerator sizes, each writing its tables, with the device's peak memory, into
+   its own ``accelerator_*`` section of ``benchmarks/README.md``.
+
+Install the accelerator wheels first (README: ``pip install -e '.[cuda,test]'``).
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL = {
+    "ops_throughput": ["--T", "4096", "16384"],
+    "neural_throughput": ["--T", "4096", "--muon-T", "256"],
+    "scaling": ["--lengths", "4096", "16384", "65536", "--batch", "4", "--no-devices"],
+}
+QUICK = {
+    "ops_throughput": ["--T", "64", "--runs", "1", "--ops", "delta_rule"],
+    "neural_throughput": ["--T", "64", "--runs", "1", "--only", "Titans C=16"],
+    "scaling": ["--lengths", "64", "--rules", "delta", "--runs", "1", "--no-devices"],
+}
+TESTS = ["tests/test_kernels.py", "tests/test_ops_linear.py", "tests/test_ops_neural.py"]
+
+
+def run(command: list[str]) -> None:
+    print("+", " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=ROOT)
+    if done.returncode:
+        sys.exit(done.returncode)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script")
+    parser.add_argument("--no-write", action="store_true", help="print the tables only")
+    parser.add_argument("--no-tests", action="store_true", help="skip the correctness step")
+    args = parser.parse_args()
+    print(f"devices: {jax.devices()}", flush=True)
+    if not args.no_tests:
+        tests = TESTS[:1] if args.quick else TESTS
+        run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", *tests])
+    for name, options in (QUICK if args.quick else FULL).items():
+        write = ["--no-write"] if args.no_write else ["--section", f"accelerator_{name}"]
+        run([sys.executable, f"benchmarks/{name}.py", *options, *write])
+
+
+if __name__ == "__main__":
+    main()
