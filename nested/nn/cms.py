@@ -71,5 +71,6 @@ class ContinuumMemory(nnx.Module):
 
     def __call__(self, x: jax.Array, states) -> tuple[jax.Array, tuple[LevelState, ...]]:
         for level, norm, state in zip(self.levels, self.norms, states, strict=True):
-            x = x + jax.vmap(level.memory.apply)(state.params, norm(x))  # per sequence
+            read = jax.vmap(level.memory.apply)(state.params, norm(x))  # per sequence
+            x = x + read.astype(x.dtype)
         return x, tuple(states)

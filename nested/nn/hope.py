@@ -28,7 +28,13 @@ from flax import nnx
 
 from nested.core import inner
 from nested.core.level import Level
-from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
+from nested.nn.layers import (
+    InitialState,
+    ShortConv,
+    initial_memories,
+    l2_normalize,
+    per_sequence,
+)
 
 
 class SelfModifyingLayer(nnx.Module):
@@ -87,7 +93,7 @@ class SelfModifyingLayer(nnx.Module):
         )
         self.conv = ShortConv(3 * dim, conv, rngs=rngs) if conv > 1 else None
         init = jax.random.normal(rngs.params(), (3, dim, dim), jnp.float32) / jnp.sqrt(dim)
-        self.initial_projections = nnx.Param(init)
+        self.initial_projections = InitialState(init)
         self.initial_params = initial_memories(level.memory, rngs.params(), heads)
         self.norm = nnx.RMSNorm(d_v, rngs=rngs)
         self.gate_out = linear(dim, dim) if output_gate else None
@@ -142,7 +148,7 @@ class SelfModifyingLayer(nnx.Module):
         if full < T:
             state, o = self._chunk(state, x[:, full:])
             outputs.append(o)
-        o = self.norm(jnp.concatenate(outputs, axis=1))
+        o = self.norm(jnp.concatenate(outputs, axis=1).astype(x.dtype))
         if self.gate_out is not None:
             o = o * jax.nn.sigmoid(self.gate_out(x)).reshape(o.shape)
         return self.out(o.reshape(B, T, -1)), state

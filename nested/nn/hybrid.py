@@ -220,4 +220,5 @@ class AdaTransformerMixer(nnx.Module):
         }
         ctx = inner.Context(k=l2_normalize(k), v=v, q=y_attn, gates=gates)
         o, memory = inner.run(self.level, state["memory"], ctx)
-        return self.out(o.reshape(B, T, -1)), {"memory": memory, "attention": attention}
+        o = o.reshape(B, T, -1).astype(x.dtype)
+        return self.out(o), {"memory": memory, "attention": attention}

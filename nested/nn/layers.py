@@ -44,13 +44,19 @@ class ShortConv(nnx.Module):
         return jax.nn.silu(y), padded[:, T:].astype(cache.dtype)
 
 
-def initial_memories(memory, key: jax.Array, count: int | None) -> nnx.Param:
+class InitialState(nnx.Param):
+    """The learned initial state ``theta_0`` of a fast level: a slow parameter like any other
+    (the owner level trains it), but the fast state starts from it, so it stays float32 when
+    the model computes in a lower precision (``nested.compile(..., compute_dtype=...)``)."""
+
+
+def initial_memories(memory, key: jax.Array, count: int | None) -> InitialState:
     """The learned initial state ``theta_0`` of ``count`` memories (leading dim; None: one),
-    a float32 ``nnx.Param`` trained by the owner level."""
+    float32."""
     params = (
         memory.init(key) if count is None else jax.vmap(memory.init)(jax.random.split(key, count))
     )
-    return nnx.Param(jax.tree.map(lambda p: p.astype(jnp.float32), params))
+    return InitialState(jax.tree.map(lambda p: p.astype(jnp.float32), params))
 
 
 def per_sequence(tree, batch_size: int):
@@ -207,8 +213,10 @@ class MemoryLayer(nnx.Module):
 
     def readout(self, o: jax.Array, x: jax.Array) -> jax.Array:
         """The reads ``o (B, T, H * experts, d_v)`` of the queries of ``x (B, T, dim)`` mapped to
-        the model width: experts mixed by their read routes, normalised, gated, projected."""
+        the model width: experts mixed by their read routes, normalised, gated, projected. The
+        reads come in the fast state's precision and go on in the activations' (``x``'s)."""
         B, T, _ = x.shape
+        o = o.astype(x.dtype)
         if self.experts > 1:
             _, read = self._routes(x)
             o = jnp.sum(o.reshape(B, T, self.heads, self.experts, -1) * read[..., None], axis=3)
