@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import nested as nl
+from nested import data as nl_data
 from nested.data import MQARTask
 from nested.nn.models import MemoryLM
 
@@ -113,15 +114,54 @@ def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
     )
     state = prog.init(jax.random.key(0))
     step, evaluate = jax.jit(prog.train_step), jax.jit(prog.eval_step)
-
-    def as_dict(batch):
-        return {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
-
-    test = as_dict(task.batch(0, 256, split=task.eval_splits[0]))
+    test = task.batch(0, 256, split=task.eval_splits[0])
     before = evaluate(state, test)["accuracy"]
     for i in range(450):
-        state, _ = step(state, as_dict(task.batch(i, 32)))
+        state, _ = step(state, task.batch(i, 32))
     after = evaluate(state, test)["accuracy"]
     chance = 1 / (vocab // 2)
     assert before < 3 * chance
     assert after > 0.75, f"query accuracy {after:.3f} after 450 steps (chance {chance:.3f})"
+
+
+def test_a_batch_of_the_data_tasks_goes_in_as_it_is():
+    """``nested.data.Batch`` (a pytree) goes into the jitted train_step, eval_step and loss."""
+    prog = program(nl.recipes.delta(d_k=4, d_v=4))
+    state = prog.init(jax.random.key(0))
+    task = MQARTask(vocab_size=VOCAB, train_settings=((16, 2),), test_settings=((16, 2),))
+    batch = task.batch(0, 2)
+    arrays = {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
+    assert nl_data.as_arrays(batch).keys() == arrays.keys()
+    _, metrics = jax.jit(prog.train_step)(state, batch)
+    loss, _ = jax.jit(prog.loss)(state.params, batch)
+    assert metrics["loss"] == loss == jax.jit(prog.eval_step)(state, arrays)["loss"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_where_the_batch_enters():
+    """Values are checked where they are concrete (eager calls, ``check_batch``); under jit,
+    shapes and dtypes are checked at trace time."""
+    prog = program(nl.recipes.delta(d_k=4, d_v=4))
+    state = prog.init(jax.random.key(0))
+    x = tokens(2, 9)
+    batch = {"inputs": x[:, :-1].at[1, 3].set(VOCAB), "targets": x[:, 1:]}
+    outside = r"inputs holds token ids in \[\d+, 16\], outside \[0, 16\) \(the model's"
+    for call in (
+        lambda: prog.check_batch(batch),
+        lambda: prog.train_step(state, batch),
+        lambda: prog.eval_step(state, batch),
+        lambda: prog.loss(state.params, batch),
+        lambda: prog.apply(state.params, batch["inputs"]),
+    ):
+        with pytest.raises(ValueError, match=outside):
+            call()
+    with pytest.raises(ValueError, match=r"batch targets holds token ids in \[-1, "):
+        prog.check_batch({**batch, "inputs": x[:, :-1], "targets": x[:, 1:].at[0, 0].set(-1)})
+    step = jax.jit(prog.train_step)
+    with pytest.raises(ValueError, match="batch inputs must hold integer token ids, got float"):
+        step(state, {**batch, "inputs": batch["inputs"].astype(jnp.float32)})
+    with pytest.raises(ValueError, match=r"batch targets has shape \(2, 7\), inputs \(2, 8\)"):
+        step(state, {**batch, "targets": x[:, 2:]})
+    with pytest.raises(ValueError, match=r"batch has no 'targets'; .* got \['inputs'\]"):
+        step(state, {"inputs": x})
+    with pytest.raises(ValueError, match=r"batch inputs has shape \(9,\); .* \(B, T\)"):
+        step(state, {"inputs": x[0], "targets": x[0]})

@@ -140,6 +140,21 @@ def test_model_running_an_undeclared_level():
         nl.compile(system)
 
 
+def test_a_name_declared_twice_as_different_levels():
+    """Equal names must be equal levels: the model runs its own declaration, the system
+    schedules (and reports) the other one."""
+    owners = {"memory": "backbone"}
+    system = nl.NestedSystem([outer(fast(every=1)), fast(every=16)], owners=owners)
+    with pytest.raises(
+        ValueError,
+        match=r"level 'memory' is declared twice, differently: the system's has every=16, "
+        r"the model's every=1; build the model and the system from the same Level",
+    ):
+        nl.compile(system)
+    same = fast(every=16)  # declared equal: the same level
+    nl.compile(nl.NestedSystem([outer(fast(every=16)), same], owners=owners))
+
+
 def test_compiled_program_runs():
     level = fast()
     program = nl.compile(nl.NestedSystem([outer(level), level], owners={"memory": "backbone"}))

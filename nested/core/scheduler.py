@@ -12,22 +12,35 @@
   level meta-learns the fast levels' initial states, projections and gates;
 * ``eval_step(state, batch) -> metrics``.
 
+A batch is a mapping of ``inputs`` and ``targets``, ``(B, T)`` integer token ids, and optionally
+``mask (B, T)``, or a :class:`nested.data.Batch`. Where a batch enters (``loss``, ``train_step``,
+``eval_step``; ``apply``'s ``inputs``) its shapes and dtypes are checked when the function is
+traced, so under ``jax.jit`` too; token ids are checked to lie in ``[0, vocab)`` where their
+values are known: in eager calls and in :meth:`Program.check_batch`, the checked entry to call
+on the host before a jitted step (the training loop checks every batch). Inside ``jax.jit``
+values are tracers, and an id outside the vocabulary would make the loss NaN.
+
 The model is a Flax NNX module built by the outermost level's factory; the scheduler only sees
 pytrees (``nnx.split`` once, ``nnx.merge`` inside each pure function).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
 from nested.core import guards, outer_loss
-from nested.core.level import LevelState
+from nested.core.level import Level, LevelState
 from nested.core.system import NestedSystem
+from nested.data.batch import Batch, as_arrays
 
 
 @struct.dataclass
@@ -57,6 +70,24 @@ def level_states(fast) -> list[LevelState]:
 
 def _is_state(x) -> bool:
     return isinstance(x, LevelState)
+
+
+def _model_levels(model: nnx.Module) -> list[Level]:
+    """The levels the modules of ``model`` hold (as attributes, or tuples or lists of them)."""
+    found = []
+    for _, module in nnx.iter_modules(model):
+        for value in vars(module).values():
+            values = value if isinstance(value, tuple | list) else (value,)
+            found += [level for level in values if isinstance(level, Level)]
+    return found
+
+
+def _difference(system: Level, model: Level) -> str:
+    fields = [f.name for f in dataclasses.fields(Level)]
+    differ = [f for f in fields if getattr(system, f) != getattr(model, f)]
+    ours = ", ".join(f"{f}={getattr(system, f)!r}" for f in differ)
+    theirs = ", ".join(f"{f}={getattr(model, f)!r}" for f in differ)
+    return f"the system's has {ours}, the model's {theirs}"
 
 
 class Program:
@@ -90,6 +121,14 @@ class Program:
                 f"level(s) {sorted(declared - used)} are declared but no layer of the model "
                 f"of {outer.name!r} runs them"
             )
+        for level in _model_levels(model):
+            if level.name in declared and level != system[level.name]:
+                raise ValueError(
+                    f"level {level.name!r} is declared twice, differently: "
+                    f"{_difference(system[level.name], level)}; build the model and the "
+                    f"system from the same Level (equal names must be equal levels)"
+                )
+        self._abstract_params = abstract_params
         self.outer = outer
         self.tx = outer.update
         self.outer_loss_levels = {
@@ -100,6 +139,60 @@ class Program:
 
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
+
+    @functools.cached_property
+    def vocab(self) -> int:
+        """V, the last dim of the model's logits ``(B, T, V)``: token ids lie in ``[0, V)``."""
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        logits = jax.eval_shape(lambda p, x: self._forward(p, x)[0], self._abstract_params, tokens)
+        return logits.shape[-1]
+
+    def check_batch(self, batch: Mapping[str, Any] | Batch) -> dict[str, Any]:
+        """``batch`` as the dict of arrays the steps take, checked: ``inputs`` and ``targets``
+        (and ``mask``, if given) of one shape ``(B, T)``, token ids integers in ``[0, vocab)``.
+
+        Raises ``ValueError`` naming the array and the fix. Token ids are checked where their
+        values are known, not inside ``jax.jit`` (tracers); call this on the host before a
+        jitted step. The steps call it themselves, so shapes and dtypes are checked under jit.
+        """
+        arrays = as_arrays(batch)
+        for key in ("inputs", "targets"):
+            if key not in arrays:
+                raise ValueError(
+                    f"batch has no {key!r}; a batch holds 'inputs' and 'targets' (B, T) token "
+                    f"ids and optionally 'mask' (B, T), got {sorted(arrays)}"
+                )
+        self.check_tokens(arrays["inputs"], "batch inputs")
+        shape = tuple(arrays["inputs"].shape)
+        for key in ("targets", "mask"):
+            if key in arrays and tuple(jnp.shape(arrays[key])) != shape:
+                raise ValueError(
+                    f"batch {key} has shape {tuple(jnp.shape(arrays[key]))}, inputs {shape}; "
+                    f"they must match"
+                )
+        self.check_tokens(arrays["targets"], "batch targets")
+        return arrays
+
+    def check_tokens(self, x, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` unless ``x`` is (B, T) integers (checked at
+        trace time) whose ids, where its values are known (not a tracer), lie in
+        ``[0, vocab)``."""
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise ValueError(f"{name} is a {type(x).__name__}; pass an array (B, T) of token ids")
+        if len(x.shape) != 2:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; token ids come as (B, T)")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must hold integer token ids, got {x.dtype}")
+        if isinstance(x, jax.core.Tracer) or not x.size:
+            return
+        x = np.asarray(x)
+        low, high = int(x.min()), int(x.max())
+        if low < 0 or high >= self.vocab:
+            raise ValueError(
+                f"{name} holds token ids in [{low}, {high}], outside [0, {self.vocab}) (the "
+                f"model's vocabulary: its logits' last dim); fix the data or build a model of "
+                f"that vocabulary"
+            )
 
     def start_fast(self, params, batch_size: int, carried=None):
         """The fast state a sequence starts from: learned initial states, except that levels
@@ -138,7 +231,12 @@ class Program:
 
         Model-level levels (CMS blocks, :mod:`nested.core.outer_loss`) learn only when ``targets``
         (and optionally ``mask``) are given; without them they read their current state.
+        ``inputs`` is checked as a batch's (module docstring).
         """
+        self.check_tokens(inputs, "inputs")
+        return self._forward(params, inputs, fast, targets=targets, mask=mask)
+
+    def _forward(self, params, inputs, fast=None, *, targets=None, mask=None):
         if fast is None:
             fast = self.start_fast(params, inputs.shape[0])
         model = self.model(params)
@@ -149,7 +247,10 @@ class Program:
 
     def loss(self, params, batch, fast=None):
         """Outer objective of one batch: ``(loss, (metrics, final fast state))``."""
-        logits, fast = self.apply(
+        return self._loss(params, self.check_batch(batch), fast)
+
+    def _loss(self, params, batch: dict, fast=None):
+        logits, fast = self._forward(
             params, batch["inputs"], fast, targets=batch["targets"], mask=batch.get("mask")
         )
         loss, metrics = self.outer.objective(logits, batch)
@@ -162,10 +263,11 @@ class Program:
         (:mod:`nested.core.guards`); with ``skip_nonfinite`` a step with any non-finite quantity
         leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
         """
+        batch = self.check_batch(batch)
         fast = None
         if state.fast is not None:
             fast = self.start_fast(state.params, batch["inputs"].shape[0], state.fast)
-        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         (loss, (metrics, fast)), grads = grad_fn(state.params, batch, fast)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -186,10 +288,11 @@ class Program:
 
     def eval_step(self, state: State, batch) -> dict:
         """Metrics of the outer objective on ``batch`` (fast levels still learn in context)."""
+        batch = self.check_batch(batch)
         fast = None
         if state.fast is not None:
             fast = self.start_fast(state.params, batch["inputs"].shape[0], state.fast)
-        _, (metrics, _) = self.loss(state.params, batch, fast)
+        _, (metrics, _) = self._loss(state.params, batch, fast)
         return metrics
 
 

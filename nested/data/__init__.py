@@ -8,6 +8,7 @@ of a run is just the index of its next batch. See ``nested.data.batch`` for the 
 from nested.data.batch import (
     Batch,
     Task,
+    as_arrays,
     iterate,
     make_batch,
     render_example,
@@ -37,6 +38,7 @@ __all__ = [
     "MQARTask",
     "NIAHTask",
     "Task",
+    "as_arrays",
     "bits_per_char",
     "decode",
     "iterate",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -75,6 +75,20 @@ def make_batch(
         targets=np.ascontiguousarray(targets, dtype=np.int32),
         mask=np.ascontiguousarray(mask, dtype=np.float32),
         extras=dict(extras),
+    )
+
+
+def as_arrays(batch: Batch | Mapping[str, Any]) -> dict[str, Any]:
+    """The arrays a program's steps take (``nested.Program.train_step``, ``eval_step``,
+    ``loss``): ``inputs``, ``targets`` and ``mask`` of a :class:`Batch` (its ``extras`` stay
+    behind), or a mapping's entries as they are."""
+    if isinstance(batch, Batch):
+        return {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    raise ValueError(
+        f"batch is a {type(batch).__name__}; pass a nested.data.Batch or a mapping of "
+        f"'inputs' and 'targets' (B, T) token ids and optionally 'mask' (B, T)"
     )
 
 
