@@ -1,10 +1,13 @@
 """Evaluate a run: ``python experiments/eval.py --workdir DIR [--config configs/x.py]``.
 
 Restores the latest checkpoint of ``--workdir`` and evaluates every held-out split (the
-config defaults to the one the run saved). A *memory session* continues a deployed model's
-fast-weight memory: ``--load_memory PATH`` starts from a saved memory state,
+config defaults to the one the run saved; ``--config.task.*`` and ``--config.train.*``
+overrides apply to it, e.g. ``--config.train.eval_batches=16``) into ``DIR/eval.json``. A
+*memory session* continues a deployed model's fast-weight memory: ``--load_memory PATH``
+starts from a saved memory state (of this model: another model's is refused),
 ``--save_memory PATH`` saves the one the session ends with (the memory carries through the
-eval batches; needs a level with ``persist="stream"``). Everything is in ``nested.run.train``.
+eval batches; needs a level with ``persist="stream"``); each session's results are appended to
+``DIR/sessions.jsonl``. Everything is in ``nested.run.train``.
 """
 
 from absl import flags
@@ -31,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, config_from_workdir=True)

@@ -2,8 +2,10 @@
 
 The config file (``get_config()``; ``path.py:variant`` picks a variant) declares the task,
 the model, its fast levels and the training settings; ``--config.<key>=<value>`` overrides
-any key (``--config.model.dim=128``, ``--config.levels.memory.every=16``). A workdir that
-holds checkpoints of an interrupted run resumes it. Everything is in ``nested.run.train``.
+any key (``--config.model.dim=128``, ``--config.levels.memory.every=16``, a rule of your own
+by import path: ``--config.levels.memory.rule=my_rules:recipe``); ``--config.train.smoke=True``
+makes a short check run of the config. A workdir that holds checkpoints of an interrupted run
+resumes it. Everything is in ``nested.run.train``.
 """
 
 from absl import flags

@@ -17,7 +17,7 @@ import tiny_configs
 
 from nested import data, ops
 from nested.learn import rules
-from nested.run import checkpoint, memory_state, train
+from nested.run import checkpoint, cli, memory_state, train
 from nested.run import config as nc
 
 
@@ -62,13 +62,19 @@ CONFIG_CASES = {
     ),
     "warmup as long as the run": (
         {"optimizer__warmup_steps": 8},
-        "optimizer.warmup_steps=8 must be an int in [0, train.steps=8)",
+        "optimizer.warmup_steps=8 must be an int in [0, train.steps=8); lower it, or set "
+        "train.smoke=True for a short check run",
     ),
-    "checkpoints off the log windows": (
-        {"train__checkpoint_every": 3},
-        "train.checkpoint_every=3 is not a multiple of train.log_every=2 (a resumed run must "
-        "log the same windows); allowed: multiples of 2",
+    "logs off the calls": (
+        {"train__steps_per_call": 2, "train__log_every": 3},
+        "train.log_every=3 is not a multiple of train.steps_per_call=2; allowed: multiples of "
+        "2, or train.steps=8 and more (at the end only)",
     ),
+    "skipped fraction above 1": (
+        {"train__max_skipped_fraction": 1.5},
+        "train.max_skipped_fraction=1.5 must be a number in [0, 1]",
+    ),
+    "string smoke flag": ({"train__smoke": "yes"}, "train.smoke='yes' must be True or False"),
     "vocabulary too small for the task": (
         {"task__vocab_size": 3},
         "task: mqar: vocab_size=3 is invalid: 2 distinct keys need vocab_size // 2 - 1 >= 2, "
@@ -174,53 +180,106 @@ def test_workdir_that_is_a_file(tmp_path):
         train.train_and_evaluate(tiny_configs.config("mqar"), path)
 
 
-def test_checkpoint_past_the_configured_steps(tmp_path):
-    """Lowering train.steps below a run's checkpoint would silently skip training."""
+def test_a_refused_command_changes_nothing_in_the_run(tmp_path):
+    """Lowering train.steps below a run's checkpoint would silently skip training; a config of
+    another model does not fit the checkpoint. Both are refused, and the run's record of its
+    config (what eval.py builds the model from) is left as it was."""
     config = tiny_configs.config("mqar")
     exp = nc.build(config)
     with checkpoint.Checkpointer(tmp_path / "checkpoints", every=4, keep=1) as ckpt:
         ckpt.save(8, train.init_state(exp, train.make_layout(exp)), data_position=8)
+    train._record_config(exp.config, tmp_path, 0)
+    record = (tmp_path / "config.json").read_bytes()
     with pytest.raises(nc.ConfigError) as info:
         train.train_and_evaluate(tiny_configs.config("mqar", train__steps=4), tmp_path)
     assert str(info.value) == (
         f"train.steps=4 is below the step 8 of the checkpoint in {tmp_path / 'checkpoints'}; "
         f"set train.steps >= 8 or use a new workdir"
     )
+    with pytest.raises(checkpoint.CheckpointError, match="^checkpoint step 8 in .* is of anot"):
+        train.train_and_evaluate(tiny_configs.config("mqar", model__dim=8), tmp_path)
+    assert (tmp_path / "config.json").read_bytes() == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.json"]
 
 
-def test_resuming_with_a_changed_config_warns_with_the_changed_keys(tmp_path, caplog):
-    train._record_config(tiny_configs.config("mqar"), tmp_path)
+def test_resuming_with_a_changed_config_warns_and_keeps_the_config_it_replaces(tmp_path, caplog):
+    """The config of steps 0-8 stays on record as config.8.json when a run resumed at step 8
+    continues with another."""
+    train._record_config(tiny_configs.config("mqar"), tmp_path, 0)
+    first = (tmp_path / "config.json").read_text()
     changed = tiny_configs.config("mqar", optimizer__learning_rate=0.5, train__steps=16)
     with caplog.at_level(logging.WARNING):
-        train._record_config(changed, tmp_path)
+        train._record_config(changed, tmp_path, 8)
     assert [r.getMessage() for r in caplog.records] == [
         f"config differs from the one saved in {tmp_path / 'config.json'}: "
-        f"['optimizer.learning_rate', 'train.steps']"
+        f"['optimizer.learning_rate', 'train.steps']; that one is kept as "
+        f"{tmp_path / 'config.8.json'}"
     ]
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 16
+    assert (tmp_path / "config.8.json").read_text() == first
 
 
 def test_unreadable_config_json(tmp_path, caplog):
     """A truncated config.json (a disk filled up, a hand edit): training replaces it with a
     warning; evaluation, which needs it, says what to pass."""
+    (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.json").write_text('{"seed": 0, "task": {')
     with pytest.raises(nc.ConfigError, match=r"config.json is not a readable config \(.*--config$"):
         train.load_workdir_config(tmp_path)
     with caplog.at_level(logging.WARNING):
-        train._record_config(tiny_configs.config("mqar"), tmp_path)
+        train._record_config(tiny_configs.config("mqar"), tmp_path, 0)
     assert "is unreadable (" in caplog.records[0].getMessage()
     assert train.load_workdir_config(tmp_path).model.dim == 16
 
 
 def test_evaluating_a_workdir_without_a_run(tmp_path):
+    """Each message says what is missing; all come before anything is compiled."""
+    config = tiny_configs.config("mqar")
+    for given in (None, config):
+        with pytest.raises(nc.ConfigError) as info:
+            train.evaluate_workdir(given, tmp_path)
+        assert str(info.value) == (
+            f"no run in --workdir {tmp_path} (no checkpoints folder): train one there first "
+            f"(experiments/train.py --workdir {tmp_path})"
+        )
+    (tmp_path / "checkpoints").mkdir()
     with pytest.raises(nc.ConfigError, match=f"^--workdir {tmp_path} has no config.json; pass"):
         train.evaluate_workdir(None, tmp_path)
-    config = tiny_configs.config("mqar")
-    with pytest.raises(checkpoint.CheckpointError, match="^no checkpoints in .*; train a run"):
-        train.evaluate_workdir(config, tmp_path)
-    (tmp_path / "checkpoints").mkdir()
+    missing = tmp_path / "nothing"
+    with pytest.raises(memory_state.MemoryStateError) as info:
+        train.evaluate_workdir(tiny_configs.config("continual"), tmp_path, load_memory=missing)
+    assert str(info.value) == (
+        f"no memory state at '{missing}'; save one first (eval.py --save_memory)"
+    )
+    assert isinstance(info.value, cli.USER_ERRORS)  # the entry points print one line
     with pytest.raises(checkpoint.CheckpointError, match="^no readable checkpoint in "):
         train.evaluate_workdir(config, tmp_path)
+
+
+CORPORA = {  # case -> (what task.path names, part of the message)
+    "missing": ("nope", "does not exist; give a text file or a folder"),
+    "empty folder": ("empty", "has 0 file(s) matching glob='*'"),
+    "empty file": ("e.txt", "the train split of path="),
+}
+
+
+@pytest.mark.parametrize("case", list(CORPORA))
+def test_a_char_lm_corpus_that_cannot_make_batches_is_refused_before_the_workdir(tmp_path, case):
+    """The corpus is read when a first batch is made: the run makes one of each split before
+    it creates the workdir or compiles anything."""
+    name, message = CORPORA[case]
+    if case == "empty folder":
+        (tmp_path / name).mkdir()
+    elif case == "empty file":
+        (tmp_path / name).write_bytes(b"")
+    config = nc.load(tiny_configs.path("char_lm"))
+    config.task.path = str(tmp_path / name)
+    workdir = tmp_path / "run"
+    with pytest.raises(nc.ConfigError) as info:
+        train.train_and_evaluate(config, workdir)
+    assert str(info.value).startswith("task: char_lm: ") and "\n" not in str(info.value)
+    assert f"path='{config.task.path}'" in str(info.value) and message in str(info.value)
+    assert not workdir.exists()
 
 
 def test_memory_state_of_other_dtypes(tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoints (orbax, wrapped) and session memory states."""
 
+import json
 import logging
 import shutil
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested.run import checkpoint, memory_state, train
+from nested.run import checkpoint, fingerprint, memory_state, train
 from nested.run import config as nc
 
 
@@ -167,16 +168,30 @@ def test_memory_state_of_another_model_or_path_is_refused(tmp_path, continual):
         memory_state.save(tmp_path / "none", None)
 
 
+def _workdir(path, exp, state, step=1):
+    """A workdir holding the checkpoint of ``state`` at ``step``, as training leaves it."""
+    with checkpoint.Checkpointer(path / train.CHECKPOINTS, every=1, keep=1) as ckpt:
+        ckpt.save(step, state, data_position=step)
+    train._record_config(exp.config, path, step)
+    return path
+
+
 def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     """``evaluate_workdir`` (eval.py) with --save_memory, then --load_memory: the second
-    session continues the first's memory exactly."""
+    session continues the first's memory exactly; each session's results are a line of
+    sessions.jsonl, and each memory state carries the fingerprint of its model."""
     exp, _, state = continual
-    workdir = tmp_path / "run"
-    with checkpoint.Checkpointer(workdir / train.CHECKPOINTS, every=1, keep=1) as ckpt:
-        ckpt.save(1, state, data_position=1)
+    workdir = _workdir(tmp_path / "run", exp, state)
     one, two = tmp_path / "one", tmp_path / "two"
-    first = train.evaluate_workdir(exp.config, workdir, save_memory=one)
-    second = train.evaluate_workdir(exp.config, workdir, load_memory=one, save_memory=two)
+    first = train.evaluate_workdir(None, workdir, save_memory=one)
+    second = train.evaluate_workdir(None, workdir, load_memory=one, save_memory=two)
+    lines = (workdir / train.SESSIONS_FILE).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [first, second]
+    assert (first["load_memory"], first["save_memory"]) == (None, str(one))
+    assert (second["load_memory"], second["save_memory"]) == (str(one), str(two))
+    assert not (workdir / train.EVAL_FILE).exists()
+    for path in (one, two):
+        assert checkpoint.load_meta(path)["fingerprint"] == fingerprint.of(exp.config, 1)
 
     eval_fn = train.make_eval_fn(exp.program, train.make_layout(exp))
     expected_first, fast = train.evaluate(
@@ -196,6 +211,39 @@ def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     with pytest.raises(nc.ConfigError, match="a memory session needs a level with persist='str"):
         config = tiny_configs.config("continual", levels__memory__persist="sequence")
         train.evaluate_workdir(config, workdir, save_memory=one)
+
+
+def test_a_memory_state_of_another_architecture_is_refused(tmp_path, continual):
+    """A session of the delta model, loaded into the gated_delta one: the fast states have
+    the same levels and shapes, the models compute differently; the fingerprint tells."""
+    exp, _, state = continual
+    session = tmp_path / "delta_session"
+    memory_state.save(session, state.fast, fingerprint=fingerprint.of(exp.config, 1))
+    gated = nc.build(tiny_configs.config("continual", levels__memory__rule="gated_delta"))
+    workdir = _workdir(tmp_path / "gated", gated, train.init_state(gated, train.make_layout(gated)))
+    with pytest.raises(memory_state.MemoryStateError) as info:
+        train.evaluate_workdir(None, workdir, load_memory=session)
+    assert str(info.value).startswith(
+        f"the memory state at '{session}' was written by another model (architecture "
+    )
+    assert str(info.value).endswith("load it into the model that wrote it")
+
+
+def test_a_memory_state_of_other_slow_weights_loads_with_a_warning(tmp_path, continual, caplog):
+    exp, _, state = continual
+    path = tmp_path / "memory"
+    memory_state.save(path, state.fast, fingerprint=fingerprint.of(exp.config, 1))
+    with caplog.at_level(logging.WARNING):
+        loaded = memory_state.load(path, like=state.fast, fingerprint=fingerprint.of(exp.config, 2))
+    assert_trees_equal(loaded, state.fast)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the memory state at '{path}' was written with the slow weights of step 1, these are "
+        "of step 2"
+    ]
+    memory_state.save(path, state.fast)  # from Python, without a fingerprint
+    with pytest.raises(memory_state.MemoryStateError, match="carries no model fingerprint"):
+        memory_state.load(path, like=state.fast, fingerprint=fingerprint.of(exp.config, 1))
+    assert_trees_equal(memory_state.load(path, like=state.fast), state.fast)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -182,7 +182,44 @@ def _error(config) -> str:
 def test_unknown_rule_names_the_key_and_the_registered_rules():
     message = _error(tiny_configs.config("mqar", levels__memory__rule="detla"))
     allowed = sorted([*recipes.RULES, *recipes.LEVELS])
-    assert message == f"levels.memory.rule='detla' is unknown; allowed: {allowed}"
+    assert message == (
+        f"levels.memory.rule='detla' is unknown; allowed: {allowed} or a recipe's import path, "
+        "module:function"
+    )
+
+
+def test_a_rule_by_import_path_and_each_way_it_can_be_wrong(tmp_path, monkeypatch):
+    (tmp_path / "rules_of_test_config.py").write_text(
+        "from nested.learn import recipes\n\n\n"
+        "def my_delta(name='memory', *, d_k, d_v, **level_kwargs):\n"
+        "    return recipes.delta(name, d_k=d_k, d_v=d_v, **level_kwargs)\n\n\n"
+        "def not_a_recipe(name='memory', *, d_k, d_v, **level_kwargs):\n"
+        "    return 'a level'\n"
+    )
+    (tmp_path / "broken_rules_of_test_config.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "raising_rules_of_test_config.py").write_text("raise RuntimeError('no GPU')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def rule(path):
+        return tiny_configs.config("mqar", levels__memory__rule=path)
+
+    by_path = nc.build(rule("rules_of_test_config:my_delta")).system.fast_levels
+    assert by_path == nc.build(tiny_configs.config("mqar")).system.fast_levels  # equal levels
+    cases = {
+        "no_such_module_xyz:f": "no module named 'no_such_module_xyz'; install it, add its "
+        "folder to PYTHONPATH or run from the folder that holds it",
+        "broken_rules_of_test_config:f": "no module named 'no_such_dependency_xyz'; install it",
+        "raising_rules_of_test_config:f": "importing raising_rules_of_test_config failed: "
+        "RuntimeError: no GPU",
+        "rules_of_test_config:my_delat": "module rules_of_test_config has no function "
+        "'my_delat'; allowed: ['my_delta', 'not_a_recipe']",
+    }
+    for path, message in cases.items():
+        assert _error(rule(path)).startswith(f"levels.memory.rule='{path}': {message}")
+    assert _error(rule("rules_of_test_config:not_a_recipe")) == (
+        "levels.memory.rule='rules_of_test_config:not_a_recipe' returned a str, not a "
+        "nested.Level; a recipe is (name, *, d_k, d_v, **level_kwargs) -> nested.Level"
+    )
 
 
 def test_unknown_model_and_task_names():
@@ -266,7 +303,8 @@ def test_window_level_needs_its_period():
 def test_train_periods_must_align_with_steps_per_call():
     message = _error(tiny_configs.config("mqar", train__steps_per_call=3))
     assert message == (
-        "train.log_every=2 is not a multiple of train.steps_per_call=3; allowed: multiples of 3"
+        "train.log_every=2 is not a multiple of train.steps_per_call=3; allowed: multiples of 3, "
+        "or train.steps=8 and more (at the end only)"
     )
 
 
@@ -293,3 +331,24 @@ def test_section_helpers_reject_unknown_keys():
         nc.model_config("memory_lm", level="memory", dimm=3)
     with pytest.raises(nc.ConfigError, match="levels.\\*.rule='nope' is unknown"):
         nc.level_config("nope")
+
+
+def test_intervals_of_the_run_length_or_more_mean_at_the_end():
+    """A short run keeps the config's intervals: 50 and 200 on 8 steps log, evaluate and
+    checkpoint at step 8 only, whatever train.steps_per_call; a checkpoint may fall inside a
+    log window (the unfinished window is saved with it)."""
+    long = {"train__log_every": 50, "train__eval_every": 200, "train__checkpoint_every": 200}
+    nc.build(tiny_configs.config("mqar", train__steps_per_call=3, **long))
+    nc.build(tiny_configs.config("mqar", train__log_every=4, train__checkpoint_every=6))
+
+
+def test_smoke_cuts_the_run_and_fits_the_schedule_to_it():
+    config = nc.load(tiny_configs.path("char_lm"))
+    config.train.smoke = True
+    run = nc.build(config).config
+    assert (run.train.steps, run.train.log_every, run.train.eval_batches) == (10, 1, 1)
+    assert (run.train.eval_every, run.train.checkpoint_every) == (10, 10)
+    assert run.optimizer.warmup_steps == 5 and config.train.steps == 3000  # a copy
+    assert nc.as_run(run).to_dict() == run.to_dict()  # its config.json rebuilds the same run
+    short = tiny_configs.config("mqar", train__smoke=True, train__steps=4)
+    assert nc.build(short).config.train.steps == 4  # at most 10 steps

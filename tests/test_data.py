@@ -318,6 +318,7 @@ def test_char_lm_reads_non_utf8_bytes(corpus_dir):
     assert split_sizes == (len(raw) - math.ceil(0.3 * len(raw)), math.ceil(0.3 * len(raw)))
     seen = np.concatenate([single.batch(i, 8).inputs.ravel() for i in range(4)])
     assert seen.max() >= 0xE9  # the Latin-1 byte of 'é' is a token, not an error
+    assert "latin1.txt, its last 30% of bytes held out as 'val';" in single.describe()
     assert "\ufffd" in data.decode(np.array([0xE9, 0x20]))
 
 
@@ -329,7 +330,7 @@ def test_char_lm_tiny_or_empty_corpus_raises(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"empty.*0 file"):
         CharLMTask(path=str(tmp_path / "empty")).batch(0, 1)
-    with pytest.raises(ValueError, match="neither a file nor a folder"):
+    with pytest.raises(ValueError, match="missing' does not exist; give a text file or a"):
         CharLMTask(path=str(tmp_path / "missing")).batch(0, 1)
     with pytest.raises(ValueError, match="val_fraction=1.0"):
         CharLMTask(val_fraction=1.0)

@@ -1,6 +1,7 @@
-"""What a new user meets first, running ``experiments/train.py`` as a user does (a subprocess):
-an unusable workdir ends in one line (and a run that fails to build leaves none behind), and a
-machine without a TPU is not told so at every run."""
+"""What a new user meets first, running ``experiments/train.py`` and ``eval.py`` as a user
+does (a subprocess): an unusable workdir ends in one line (and a run that fails to build leaves
+none behind), a machine without a TPU is not told so at every run, a rule of one's own is
+found in the current folder, and a run evaluates with overrides but no config file."""
 
 import logging
 import subprocess
@@ -10,21 +11,24 @@ import pytest
 import tiny_configs
 
 from nested.run import cli
+from nested.run import config as nc
+from nested.run import train as training
 
 TRAIN = str(tiny_configs.ROOT / "experiments" / "train.py")
+EVAL = str(tiny_configs.ROOT / "experiments" / "eval.py")
 
 
-def train(*args: str) -> tuple[int, str, list[str]]:
-    """Exit status, stdout and the non-blank stderr lines of ``train.py`` on the tiny MQAR
-    config with ``args``."""
+def run(script: str, *args: str, cwd=tiny_configs.ROOT) -> tuple[int, str, list[str]]:
+    """Exit status, stdout and the non-blank stderr lines of ``script`` with ``args``."""
     done = subprocess.run(
-        [sys.executable, TRAIN, *tiny_configs.flags("mqar"), *args],
-        cwd=tiny_configs.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, script, *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
     return done.returncode, done.stdout, [line for line in done.stderr.splitlines() if line]
+
+
+def train(*args: str, cwd=tiny_configs.ROOT) -> tuple[int, str, list[str]]:
+    """:func:`run` of ``train.py`` on the tiny MQAR config with ``args``."""
+    return run(TRAIN, *tiny_configs.flags("mqar"), *args, cwd=cwd)
 
 
 @pytest.mark.parametrize("where", ["under a file", "under /proc"])
@@ -66,3 +70,34 @@ def test_only_the_tpu_note_is_hidden():
     assert not cli.not_the_tpu_note(record(logging.INFO, note))
     assert cli.not_the_tpu_note(record(logging.WARNING, note))
     assert cli.not_the_tpu_note(record(logging.INFO, "Unable to initialize backend 'cuda': no"))
+
+
+def test_a_rule_of_ones_own_is_imported_from_the_current_folder(tmp_path):
+    """``--config.levels.memory.rule=my_rules:...`` beside the user: the module is found (here
+    the function is misspelt, so the run ends before compiling, naming what there is)."""
+    (tmp_path / "my_rules.py").write_text("def huber_sign(name, *, d_k, d_v, **kwargs): ...\n")
+    rule = "--config.levels.memory.rule=my_rules:huber_sing"
+    rc, out, lines = train(f"--workdir={tmp_path / 'run'}", rule, cwd=tmp_path)
+    assert rc == 1 and out == ""
+    assert lines == [
+        "error: levels.memory.rule='my_rules:huber_sing': module my_rules has no function "
+        "'huber_sing'; allowed: ['huber_sign']"
+    ]
+
+
+def test_eval_overrides_apply_to_the_runs_config_without_the_config_file(tmp_path):
+    """``eval.py --workdir=DIR --config.task.<key>=...``: the override reaches the run's
+    config (here a setting too short for the task, refused before anything is compiled: the
+    run needs no checkpoint for that); one of the model is refused (tests/test_train.py
+    evaluates a run with overrides)."""
+    (tmp_path / "checkpoints").mkdir()
+    training._record_config(tiny_configs.config("mqar"), tmp_path, 0)
+    rc, out, lines = run(EVAL, f"--workdir={tmp_path}", "--config.task.test_settings=((8, 4),)")
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: task: mqar: test_settings.seq_len=8 is invalid"), lines
+    with pytest.raises(nc.ConfigError) as info:
+        cli.workdir_config(str(tmp_path), ["--config.model.dim=8"])
+    assert str(info.value) == (
+        "--config.model.dim: evaluating --workdir's run keeps its model; overrides may change "
+        "['task.*', 'train.*'] (or pass --config, a config file)"
+    )

@@ -3,6 +3,7 @@ non-finite stop and skip (patched metrics and real divergence), scanned calls.""
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -126,10 +127,15 @@ def test_non_finite_loss_stops_the_run_naming_step_and_quantity(tmp_path, monkey
 
 
 def test_skipped_non_finite_steps_are_counted_and_left_out_of_the_means(
-    finished, tmp_path, monkeypatch
+    finished, tmp_path, monkeypatch, capsys
 ):
     _after_step_3(monkeypatch, _poison)
-    train.train_and_evaluate(tiny_configs.config("mqar", train__skip_nonfinite=True), tmp_path)
+    config = tiny_configs.config(
+        "mqar", train__skip_nonfinite=True, train__max_skipped_fraction=0.125
+    )
+    result = train.train_and_evaluate(config, tmp_path)
+    assert result["skipped_steps"] == 1
+    assert capsys.readouterr().out.splitlines()[-2] == "skipped steps: 1 of 8 (non-finite values)"
     logged = {r["step"]: r for r in metrics.read(tmp_path) if r["split"] == "train"}
     reference = {r["step"]: r for r in metrics.read(finished[0]) if r["split"] == "train"}
     assert [logged[s]["skipped"] for s in (2, 4, 6, 8)] == [0, 1, 0, 0]
@@ -234,12 +240,14 @@ def test_a_diverging_fast_level_stops_the_run_naming_step_level_and_quantity(tmp
     assert metrics.read(tmp_path) == [] and not list((tmp_path / "checkpoints").iterdir())
 
 
+SKIP_ALL = {"train__skip_nonfinite": True, "train__steps": 4, "train__eval_every": 4}
+
+
 def test_skip_nonfinite_end_to_end_counts_every_skipped_step(tmp_path, monkeypatch):
     """Every step diverges: each is skipped and counted, and the parameters stay the
-    initial ones."""
-    overrides = {"train__skip_nonfinite": True, "train__steps": 4, "train__eval_every": 4}
-    config = exploding_config(monkeypatch, **overrides)
-    train.train_and_evaluate(config, tmp_path)
+    initial ones (this run allows every step to be skipped)."""
+    config = exploding_config(monkeypatch, **SKIP_ALL, train__max_skipped_fraction=1.0)
+    assert train.train_and_evaluate(config, tmp_path)["skipped_steps"] == 4
     logged = [r for r in metrics.read(tmp_path) if r["split"] == "train"]
     assert [(r["step"], r["skipped"]) for r in logged] == [(2, 2.0), (4, 2.0)]
     assert all("loss" not in r for r in logged)  # no step's loss enters a mean
@@ -251,3 +259,64 @@ def test_skip_nonfinite_end_to_end_counts_every_skipped_step(tmp_path, monkeypat
     leaves = zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(fresh.params), strict=True)
     for a, b in leaves:
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_skipping_more_steps_than_allowed_stops_with_the_count(tmp_path, monkeypatch):
+    """By default more than a tenth of the steps skipped fails the run: once 1 of 4 steps
+    is skipped the model cannot end trained."""
+    with pytest.raises(guards.NonFiniteError) as info:
+        train.train_and_evaluate(exploding_config(monkeypatch, **SKIP_ALL), tmp_path)
+    assert str(info.value) == (
+        "step 1: 1 of the run's train.steps=4 steps were skipped as non-finite, more than "
+        "train.max_skipped_fraction=0.1 of them; the run stopped (lower "
+        "optimizer.learning_rate, set optimizer.grad_clip, or raise train.max_skipped_fraction)"
+    )
+
+
+def test_a_rule_named_by_import_path_trains_and_its_workdir_evaluates_alone(tmp_path, monkeypatch):
+    """``levels.memory.rule=module:function``: no registration, and config.json holds the
+    path, so evaluating the workdir needs nothing else."""
+    (tmp_path / "user_rules_of_test_train.py").write_text(
+        "from nested.learn import recipes\n\n\n"
+        "def my_delta(name='memory', *, d_k, d_v, **level_kwargs):\n"
+        "    return recipes.delta(name, d_k=d_k, d_v=d_v, **level_kwargs)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rule = "user_rules_of_test_train:my_delta"
+    workdir = tmp_path / "run"
+    result = train.train_and_evaluate(
+        tiny_configs.config("mqar", levels__memory__rule=rule), workdir
+    )
+    assert json.loads((workdir / "config.json").read_text())["levels"]["memory"]["rule"] == rule
+    assert train.evaluate_workdir(None, workdir)["splits"] == result["splits"]
+
+
+def test_a_run_evaluates_with_overrides_of_its_task_and_eval_settings(finished, tmp_path):
+    """eval.py's ``--config.task.*`` / ``--config.train.*`` without ``--config``: here the run
+    is scored on a setting it was not evaluated on, with one batch."""
+    workdir = tmp_path / "run"
+    shutil.copytree(finished[0], workdir)
+    overrides = ["--config.task.test_settings=((16, 3),)", "--config.train.eval_batches=1"]
+    config = cli.workdir_config(str(workdir), overrides)
+    assert config.task.test_settings == ((16, 3),) and config.train.eval_batches == 1
+    result = train.evaluate_workdir(config, workdir)
+    assert result["step"] == 8 and list(result["splits"]) == ["seq16_kv3"]
+    assert json.loads((workdir / "eval.json").read_text()) == result
+
+
+def test_a_smoke_run_of_a_full_config_needs_no_other_override(tmp_path):
+    """The tiny model with the shipped config's schedule (700 steps, warmup 50, evaluations
+    and checkpoints every 100): ``train.smoke=True`` alone makes it a 10-step check."""
+    shipped = nc.load(tiny_configs.path("mqar"))
+    config = tiny_configs.config("mqar", train__smoke=True)
+    keys = ["steps", "log_every", "eval_every", "checkpoint_every"]
+    for section, key in [("optimizer", "warmup_steps"), *[("train", k) for k in keys]]:
+        config[section][key] = shipped[section][key]
+    assert config.train.steps == 700 and config.optimizer.warmup_steps == 50
+    train.train_and_evaluate(config, tmp_path)
+    records = metrics.read(tmp_path)
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 11))
+    assert {r["step"] for r in records if r["split"] != "train"} == {10}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10"]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["steps"] == 10 and saved["optimizer"]["warmup_steps"] == 5

@@ -120,6 +120,15 @@ class CharLMTask:
 
     @functools.cached_property
     def _corpus(self) -> _Corpus:
+        try:
+            return self._read()
+        except OSError as error:  # unreadable files, a folder that cannot be listed
+            raise ValueError(
+                f"{self.name}: path={str(self.root)!r} cannot be read: {error.strerror} "
+                f"({error.filename}); give a readable text file or folder"
+            ) from error
+
+    def _read(self) -> _Corpus:
         root = self.root
         if root.is_file():
             raw = np.frombuffer(root.read_bytes(), dtype=np.uint8)
@@ -146,8 +155,12 @@ class CharLMTask:
                 split: np.frombuffer(b"".join(paths[f].read_bytes() for f in names), np.uint8)
                 for split, names in files.items()
             }
-        else:
+        elif root.exists():
             raise ValueError(f"{self.name}: path={str(root)!r} is neither a file nor a folder")
+        else:
+            raise ValueError(
+                f"{self.name}: path={str(root)!r} does not exist; give a text file or a folder"
+            )
         for split, split_data in data.items():
             if len(split_data) < self.seq_len + 1:
                 raise ValueError(
@@ -168,10 +181,17 @@ class CharLMTask:
         return make_batch(windows[:, :-1], windows[:, 1:], mask)
 
     def describe(self) -> str:
+        if self.root.is_file():
+            corpus = f"{self.root}, its last {self.val_fraction:.0%} of bytes held out as 'val'"
+        else:
+            corpus = (
+                f"{self.root} (glob {self.glob!r}), {self.val_fraction:.0%} of files held out "
+                "as 'val' by path hash"
+            )
         return (
-            f"Byte-level LM (vocab 256) on {self.root} (glob {self.glob!r}), windows of "
+            f"Byte-level LM (vocab 256) on {corpus}; windows of "
             f"T={self.seq_len} + 1 bytes, inputs = w[:-1], targets = w[1:], every position "
-            f"scored; {self.val_fraction:.0%} of files held out as 'val' by path hash.\n"
+            "scored.\n"
             "Example: b'def f(x):' -> inputs 100 101 102 32 102 40 120 41, "
             "targets 101 102 32 102 40 120 41 58."
         )

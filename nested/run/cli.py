@@ -11,28 +11,37 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
 * :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
   run stopped by SIGTERM (:class:`nested.run.train.Stopped`, after its checkpoint) into one line
   and exit status 143 (128 + SIGTERM), as a process killed by the signal would report.
+* With ``config_from_workdir=True`` (``eval.py``), ``--config.<key>=<value>`` overrides
+  without ``--config`` apply to the config of ``--workdir``'s run (its ``config.json``); they
+  may change the ``task`` and ``train`` sections (what is evaluated, and how), not the model.
 * :func:`run` starts an entry point: ``absl.app.run`` with :func:`parse_flags`, JAX's note that
-  it found no TPU hidden (:func:`not_the_tpu_note`).
+  it found no TPU hidden (:func:`not_the_tpu_note`), and the current folder importable (as
+  ``python -m`` makes it), so ``levels.<name>.rule=my_rules:recipe`` finds ``my_rules.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from absl import app, flags
-from ml_collections import config_dict
+from ml_collections import config_dict, config_flags
 
 from nested.core.guards import NonFiniteError
 from nested.run import config as config_lib
+from nested.run import train
 from nested.run.checkpoint import CheckpointError
-from nested.run.train import Stopped
+from nested.run.memory_state import MemoryStateError
 
-USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError)
+USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError, MemoryStateError)
 CONFIG_FLAG = "config"
+WORKDIR_FLAG = "workdir"
+WORKDIR_SECTIONS = ("task", "train")  # what an override of a workdir's config may change
 
 
 def _one_line(error: BaseException) -> str:
@@ -84,14 +93,50 @@ def _flag_error(argv: Sequence[str], error: BaseException) -> str:
     return _one_line(error)
 
 
-def parse_flags(argv: Sequence[str]) -> list[str]:
-    """Parse ``argv`` into ``absl.flags.FLAGS``; on a mistake, exit with one line."""
+def workdir_config(workdir: str, overrides: Sequence[str]) -> config_dict.ConfigDict:
+    """The config of the run in ``workdir`` with the ``--config.<key>=<value>`` arguments
+    ``overrides`` applied, parsed as ml_collections parses them on a config file's config;
+    they may set keys of :data:`WORKDIR_SECTIONS` only. Raises :class:`ConfigError` naming
+    the override."""
+    prefix = f"--{CONFIG_FLAG}."
+    for arg in overrides:
+        if not arg[len(prefix) :].startswith(tuple(f"{s}." for s in WORKDIR_SECTIONS)):
+            raise config_lib.ConfigError(
+                f"{arg.split('=', 1)[0]}: evaluating --workdir's run keeps its model; overrides "
+                f"may change {[f'{s}.*' for s in WORKDIR_SECTIONS]} (or pass --{CONFIG_FLAG}, "
+                "a config file)"
+            )
+    config = train.load_workdir_config(workdir)
+    values, argv = flags.FlagValues(), [CONFIG_FLAG, *overrides]
+    try:  # the definition already applies the overrides' types
+        config_flags.DEFINE_config_dict(CONFIG_FLAG, config, flag_values=values, sys_argv=argv)
+        values(argv)
+    except Exception as error:  # noqa: BLE001 - ml_collections raises all sorts
+        message = _unknown_override(overrides, config) or _one_line(error)
+        raise config_lib.ConfigError(message) from error
+    return values[CONFIG_FLAG].value
+
+
+def parse_flags(argv: Sequence[str], *, config_from_workdir: bool = False) -> list[str]:
+    """Parse ``argv`` into ``absl.flags.FLAGS``; on a mistake, exit with one line. With
+    ``config_from_workdir``, overrides without ``--config`` apply to the workdir's config."""
+    prefix = f"--{CONFIG_FLAG}."
+    overrides = [a for a in argv[1:] if a.startswith(prefix)]
+    from_workdir = config_from_workdir and overrides and _config_spec(argv) is None
+    if from_workdir:
+        argv = [a for a in argv if not a.startswith(prefix)]
     try:
         rest = flags.FLAGS(argv)
     except Exception as error:  # noqa: BLE001 - ml_collections raises all sorts
         sys.exit(f"error: {_flag_error(argv, error)}")
     if len(rest) > 1:
         sys.exit(f"error: unexpected arguments {rest[1:]}; flags look like --name=value")
+    if from_workdir:
+        try:
+            config = workdir_config(flags.FLAGS[WORKDIR_FLAG].value, overrides)
+        except config_lib.ConfigError as error:
+            sys.exit(f"error: {_one_line(error)}")
+        flags.FLAGS[CONFIG_FLAG].value = config
     if CONFIG_FLAG in flags.FLAGS:
         value = flags.FLAGS[CONFIG_FLAG].value
         if value is not None and not isinstance(value, config_dict.ConfigDict):
@@ -110,7 +155,7 @@ def user_errors() -> Iterator[None]:
         yield
     except USER_ERRORS as error:
         sys.exit(f"error: {_one_line(error)}")
-    except Stopped as stopped:
+    except train.Stopped as stopped:
         print(_one_line(stopped), file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
@@ -128,8 +173,13 @@ def not_the_tpu_note(record: logging.LogRecord) -> bool:
     return record.levelno > logging.INFO or not note
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-    """Run the entry point ``main`` with :func:`parse_flags`, without the TPU note: the filter
-    is on JAX's backend logger before JAX starts its backends (at the first computation)."""
+def run(main: Callable[[list[str]], None], *, config_from_workdir: bool = False) -> None:
+    """Run the entry point ``main`` with :func:`parse_flags` (``config_from_workdir``: as
+    there), without the TPU note (the filter is on JAX's backend logger before JAX starts its
+    backends, at the first computation), the current folder importable after everything
+    else (it shadows no installed module)."""
     logging.getLogger("jax._src.xla_bridge").addFilter(not_the_tpu_note)
-    app.run(main, flags_parser=parse_flags)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    parser = functools.partial(parse_flags, config_from_workdir=config_from_workdir)
+    app.run(main, flags_parser=parser)

@@ -16,6 +16,7 @@ values. Every key a config accepts, with its type and value::
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -34,7 +35,8 @@ from nested.run.config_schema import MODELS, OPTIMIZERS, TRAIN_DEFAULTS, ConfigE
 from nested.run.sharding import MESH_DEFAULTS, check_mesh
 
 # Defined in config_schema and used from here by configs, tests and the entry points:
-load, variant, task_config = schema.load, schema.variant, schema.task_config
+load, from_json, variant = schema.load, schema.from_json, schema.variant
+task_config = schema.task_config
 model_config, level_config = schema.model_config, schema.level_config
 optimizer_config, train_config = schema.optimizer_config, schema.train_config
 OUTER = "model"  # name of the outermost level
@@ -73,8 +75,8 @@ def _make_task(config) -> data.Task:
 def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[int, int]]):
     """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it."""
     key, rule = f"levels.{name}", section.get("rule")
-    schema.lookup(f"{key}.rule", rule, recipes.named())
-    fields = schema.level_fields(rule)
+    recipe = schema.recipe(f"{key}.rule", rule)
+    fields = cf.level_fields(rule, recipe)
     values = schema.check_keys(key, section, fields)
     _check_period(key, values, task)
     del values["rule"], values["owner"]
@@ -83,7 +85,12 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
         values["d_k"], values["d_v"] = values.get("d_k") or d_k, values.get("d_v") or d_v
     schema.check_required(key, values, fields)
     values = {k: v for k, v in values.items() if v is not None}
-    level = schema.wrapped(key, recipes.named()[rule], name, **values)
+    level = schema.wrapped(key, recipe, name, **values)
+    if not isinstance(level, Level):
+        raise ConfigError(
+            f"{key}.rule={rule!r} returned a {type(level).__name__}, not a nested.Level; a "
+            "recipe is (name, *, d_k, d_v, **level_kwargs) -> nested.Level"
+        )
     if level.learns_outer_loss and task.seq_len % level.every:
         raise ConfigError(
             f"{key}.every={level.every} does not divide the task's sequence length "
@@ -117,23 +124,26 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
     mesh = schema.check_keys("train.mesh", train.pop("mesh", {}), MESH_DEFAULTS)
     train = {**TRAIN_DEFAULTS, **train, "mesh": schema.wrapped(None, check_mesh, mesh)}
     for name, default in TRAIN_DEFAULTS.items():
-        if isinstance(default, bool) and not isinstance(train[name], bool):
-            raise ConfigError(f"train.{name}={train[name]!r} must be True or False")
-        if not isinstance(default, bool):
-            _positive(f"train.{name}", train[name])
-    k, log = train["steps_per_call"], train["log_every"]
+        value = train[name]
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"train.{name}={value!r} must be True or False")
+        if isinstance(default, float) and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1
+        ):
+            raise ConfigError(f"train.{name}={value!r} must be a number in [0, 1]")
+        if isinstance(default, int) and not isinstance(default, bool):
+            _positive(f"train.{name}", value)
+    # An interval of train.steps or more means "at the end only": the loop always logs,
+    # evaluates and checkpoints the last step. (A checkpoint may fall inside a log window:
+    # the unfinished window is saved with it.)
+    k = train["steps_per_call"]
     for name in ("log_every", "eval_every", "checkpoint_every"):
-        if train[name] % k:
+        if train[name] < train["steps"] and train[name] % k:
             raise ConfigError(
                 f"train.{name}={train[name]} is not a multiple of train.steps_per_call={k}; "
-                f"allowed: multiples of {k}"
+                f"allowed: multiples of {k}, or train.steps={train['steps']} and more (at the "
+                "end only)"
             )
-    if train["checkpoint_every"] % log:
-        raise ConfigError(
-            f"train.checkpoint_every={train['checkpoint_every']} is not a multiple of "
-            f"train.log_every={log} (a resumed run must log the same windows); "
-            f"allowed: multiples of {log}"
-        )
     if carries_fast and train["eval_batch_size"] != train["batch_size"]:
         raise ConfigError(
             f"train.eval_batch_size={train['eval_batch_size']} must equal train.batch_size="
@@ -158,7 +168,8 @@ def _make_optimizer(config, steps: int):
         )
     if not (isinstance(warmup, int) and 0 <= warmup < steps):
         raise ConfigError(
-            f"optimizer.warmup_steps={warmup!r} must be an int in [0, train.steps={steps})"
+            f"optimizer.warmup_steps={warmup!r} must be an int in [0, train.steps={steps}); "
+            "lower it, or set train.smoke=True for a short check run"
         )
     if schedule == "constant":  # a linear warmup stays at its end value
         lr_fn = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
@@ -190,12 +201,40 @@ def _model_hyper(config, model, entry, slots, levels) -> dict[str, Any]:
     return {**hyper, **{k: v for k, v in options.items() if model.get(k) is None}}
 
 
+SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
+
+
+def as_run(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """The config a run uses: ``config`` itself, or, with ``train.smoke=True``, a copy cut to
+    a short check that the config trains, evaluates and checkpoints end to end: at most
+    :data:`SMOKE_STEPS` steps, a log after every call, one evaluation (of one batch per
+    split) and one checkpoint at the end, ``optimizer.warmup_steps`` at most half the steps.
+    Everything else (model, data, batch size) is the config's."""
+    if config.train.get("smoke") is not True:
+        return config
+    config = copy.deepcopy(config)
+    train = config.train
+    steps = min(_positive("train.steps", train.steps), SMOKE_STEPS)
+    train.update(
+        steps=steps,
+        log_every=_positive("train.steps_per_call", train.steps_per_call),
+        eval_every=steps,
+        checkpoint_every=steps,
+        eval_batches=1,
+    )
+    if isinstance(config.optimizer.get("warmup_steps"), int):
+        config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 2)
+    return config
+
+
 def build(config: config_dict.ConfigDict) -> Experiment:
     """Validate ``config`` and build its task, system and program (nothing is traced).
 
-    Raises :class:`ConfigError` naming the bad key and its allowed values.
+    The experiment holds the config as run (:func:`as_run`). Raises :class:`ConfigError`
+    naming the bad key and its allowed values.
     """
     schema.check_sections(config)
+    config = as_run(config)
     _positive("seed", config.seed, zero=True)
     task = _make_task(config)
     entry = schema.lookup("model.name", config.model.get("name"), MODELS)

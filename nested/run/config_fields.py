@@ -112,11 +112,17 @@ def plain(defaults: Mapping[str, Any]) -> Fields:
     return {key: Field(value, type(value)) for key, value in defaults.items()}
 
 
+WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or not
+
+
 def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
     """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the slower level producing its
-    context; None: the model), the keyword parameters of ``recipe`` but ``name`` and, if it
-    takes ``**kwargs``, the :data:`LEVEL_FIELDS` it does not take itself."""
+    context; None: the model), the keyword parameters of ``recipe`` but ``name`` (its
+    :data:`WIDTHS` ints even unannotated) and, if it takes ``**kwargs``, the
+    :data:`LEVEL_FIELDS` it does not take itself."""
     fields = {"rule": Field(rule, str), "owner": Field(None, str)}
+    named = parameters(recipe)[0]
+    fields.update({k: Field(named[k].default, int) for k in WIDTHS if k in named})
     fields.update(configurable(recipe, skip=("name",)))
     if parameters(recipe)[2]:
         for f in dataclasses.fields(Level):

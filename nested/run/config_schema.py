@@ -8,7 +8,8 @@ or task is available to every config without editing one:
   and its *level slots*, which hold names of ``levels`` entries (``MemoryLM``: ``level``, the
   mixer's level; ``projections``, that of the self-modifying mixer; ``cms``, a tuple);
 * ``levels.<name>.rule`` -> :func:`nested.recipes.named` (the memory rules, ``cms`` blocks,
-  Hope's ``projections``), looked up when the config is built; the other keys are the
+  Hope's ``projections``), or a recipe's import path ``module:function`` (:func:`recipe`),
+  looked up when the config is built; the other keys are the
   recipe's hyperparameters, the :class:`nested.Level` fields it passes on (``every``,
   ``persist``, ``chunk``, ...) and ``owner`` (the slower level producing its context: the
   model, the default, or another level, as Hope's memory is owned by its ``projections``);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import sys
 import types
@@ -69,6 +71,9 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         "checkpoint_every": 200,
         "keep_checkpoints": 3,
         "skip_nonfinite": False,  # a non-finite step keeps the previous state (else: stop)
+        # More skipped steps than this fraction of train.steps stop the run (not trained).
+        "max_skipped_fraction": 0.1,
+        "smoke": False,  # a short check run of the config (nested.run.config.as_run)
     }
 )
 
@@ -149,8 +154,44 @@ def model_fields(name: str) -> cf.Fields:
     return cf.model_fields(name, entry.build, entry.also, unset=unset)
 
 
-def level_fields(rule: str) -> cf.Fields:
-    return cf.level_fields(rule, lookup("levels.*.rule", rule, recipes.named()))
+def recipe(key: str, rule: Any) -> Callable[..., Any]:
+    """The level recipe ``rule`` names: a registered one (:func:`nested.recipes.named`) or
+    the function at the import path ``"module:function"``, a recipe of the registered ones'
+    signature, ``(name, *, d_k, d_v, **level_kwargs) -> nested.Level``. The module must be
+    importable (installed, on ``PYTHONPATH``, or, for the entry points, in the current
+    folder). Raises :class:`ConfigError` naming ``key`` for an unknown name, a module that
+    does not import or an attribute that is not a function."""
+    named = recipes.named()
+    if rule in named:
+        return named[rule]
+    if not (isinstance(rule, str) and ":" in rule):
+        raise ConfigError(
+            f"{key}={rule!r} is unknown; allowed: {sorted(named)} or a recipe's import path, "
+            "module:function"
+        )
+    module_name, _, name = rule.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError(
+            f"{key}={rule!r}: no module named {error.name!r}; install it, add its folder to "
+            "PYTHONPATH or run from the folder that holds it"
+        ) from error
+    except Exception as error:  # noqa: BLE001 - an error inside the user's module
+        raise ConfigError(
+            f"{key}={rule!r}: importing {module_name} failed: {type(error).__name__}: {error}"
+        ) from error
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        functions = sorted(n for n, v in vars(module).items() if callable(v) and n[0] != "_")
+        raise ConfigError(
+            f"{key}={rule!r}: module {module_name} has no function {name!r}; allowed: {functions}"
+        )
+    return fn
+
+
+def level_fields(rule: str, key: str = "levels.*.rule") -> cf.Fields:
+    return cf.level_fields(rule, recipe(key, rule))
 
 
 def optimizer_fields(name: str) -> cf.Fields:
@@ -284,6 +325,29 @@ def load(spec: str) -> config_dict.ConfigDict:
     return module.get_config(variant) if variant else module.get_config()
 
 
+def _tuples(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _tuples(v) for k, v in value.items()}
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def from_json(data: Mapping[str, Any]) -> config_dict.ConfigDict:
+    """A config read back from its JSON (a run's ``config.json``) as its file made it: lists
+    as tuples and each None as a placeholder of its key's type, so an override
+    ``--config.<key>=...`` parses as it does on the file's config. Raises
+    :class:`ConfigError` for a name no registry knows (a rule's module no longer
+    importable)."""
+    config = config_dict.ConfigDict(_tuples(data))
+    for prefix, fields in accepted(config).items():
+        node = config
+        for part in prefix.split("."):
+            node = node.get(part) if isinstance(node, config_dict.ConfigDict) else None
+        for key, value in (node or {}).items():
+            if value is None and key in fields and fields[key].type is not None:
+                node[key] = config_dict.placeholder(fields[key].type)
+    return config
+
+
 # -- listing keys -----------------------------------------------------------------------------
 
 
@@ -293,7 +357,10 @@ def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
     sections = {
         "task": task_fields(config.task.name),
         "model": model_fields(config.model.name),
-        **{f"levels.{name}": level_fields(s.rule) for name, s in config.levels.items()},
+        **{
+            f"levels.{name}": level_fields(s.rule, f"levels.{name}.rule")
+            for name, s in config.levels.items()
+        },
         "optimizer": optimizer_fields(config.optimizer.name),
         "train": cf.plain(TRAIN_DEFAULTS),
         "train.mesh": cf.plain(MESH_DEFAULTS),

@@ -95,11 +95,21 @@ def final_eval(records: list[dict]) -> dict[str, dict]:
     return {r["split"]: r for r in evals if r["step"] == last}
 
 
+def skipped(records: Iterable[Mapping]) -> int | None:
+    """The steps the training records count as skipped (non-finite); None where they count
+    none (``train.skip_nonfinite=False``)."""
+    counted = [r["skipped"] for r in records if r["split"] == TRAIN and "skipped" in r]
+    return int(sum(counted)) if counted else None
+
+
 def summary(records: list[dict]) -> dict:
-    """The headline numbers of a run: the final eval per split, and their means over splits
-    (``accuracy``; ``bpc`` for language modelling)."""
+    """The headline numbers of a run: the final eval per split, their means over splits
+    (``accuracy``; ``bpc`` for language modelling) and, where steps were skipped as
+    non-finite (``train.skip_nonfinite=True``), their count, ``skipped_steps``."""
     final = final_eval(records)
     out = {"step": max((r["step"] for r in final.values()), default=0), "splits": final}
+    if (count := skipped(records)) is not None:
+        out["skipped_steps"] = count
     for name in ("accuracy", "bpc", "loss"):
         values = [r[name] for r in final.values() if name in r]
         if values:
@@ -123,6 +133,10 @@ def format_summary(result: Mapping) -> str:
     elif "mean_accuracy" in result:
         lines.append(
             f"final test accuracy: {result['mean_accuracy']:.4f} (mean over {len(splits)} splits)"
+        )
+    if "skipped_steps" in result:
+        lines.append(
+            f"skipped steps: {result['skipped_steps']} of {result['step']} (non-finite values)"
         )
     return "\n".join(lines)
 

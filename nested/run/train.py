@@ -4,17 +4,20 @@ One linear loop over outer steps, read top to bottom:
 
 1. **Build**: check the workdir (:func:`check_workdir`: one that cannot be created or written
    to raises first), validate the config and build the task, nested system and program
-   (:func:`nested.run.config.build`; a bad config raises before anything is compiled), and the
-   device mesh of ``train.mesh`` (:func:`make_layout`).
+   (:func:`nested.run.config.build`; a bad config raises before anything is compiled), check
+   that the task makes batches (:func:`check_task`: a missing corpus), and the device mesh of
+   ``train.mesh`` (:func:`make_layout`). Nothing is written before all of it passes.
 2. **State**: initialise it on the mesh, or resume from the latest readable checkpoint of
    ``<workdir>/checkpoints`` (state, data position and unfinished log window; see
-   :mod:`nested.run.checkpoint`), whatever mesh it was saved from.
+   :mod:`nested.run.checkpoint`), whatever mesh it was saved from. Only a run that starts
+   (a checkpoint of this model, at most ``train.steps``) records its config, ``config.json``.
 3. **Loop**: each call of one jitted function runs ``train.steps_per_call`` outer steps, a
    ``lax.scan`` of ``Program.train_step`` over stacked batches. Between calls, on the host:
-   the non-finite check, a log record every ``log_every`` steps (means over the window), an
-   evaluation of every held-out split every ``eval_every`` steps, a checkpoint every
-   ``checkpoint_every`` steps. SIGTERM (a preemption) ends the loop after the current call
-   with a checkpoint of the step reached, and raises :class:`Stopped`.
+   the non-finite check (skipped steps counted, the run stopped past
+   ``train.max_skipped_fraction``), a log record every ``log_every`` steps (means over the
+   window), an evaluation of every held-out split every ``eval_every`` steps, a checkpoint
+   every ``checkpoint_every`` steps. SIGTERM (a preemption) ends the loop after the current
+   call with a checkpoint of the step reached, and raises :class:`Stopped`.
 4. **End**: a final evaluation and checkpoint, ``curves.png``, the printed summary.
 
 Training batch ``i`` is ``task.batch(i, batch_size)``, a pure function of ``i``, so the data
@@ -53,12 +56,14 @@ from tqdm import tqdm
 from nested import data
 from nested.core import guards
 from nested.core.scheduler import Program, State
-from nested.run import checkpoint, memory_state, metrics, sharding
+from nested.run import checkpoint, fingerprint, memory_state, metrics, sharding
 from nested.run import config as config_lib
 from nested.run.config import ConfigError, Experiment
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
+EVAL_FILE = "eval.json"  # the evaluation of the latest checkpoint
+SESSIONS_FILE = "sessions.jsonl"  # one line per memory session, appended
 
 
 class Stopped(Exception):
@@ -100,6 +105,18 @@ def check_arrays(arrays: Mapping[str, np.ndarray], vocab: int, where: str) -> No
                 f"{where}: {key} holds token ids in [{x.min()}, {x.max()}], outside "
                 f"[0, task.vocab_size={vocab}); raise task.vocab_size or fix the task's data"
             )
+
+
+def check_task(task) -> None:
+    """Raise :class:`ConfigError` naming the task when it cannot make a batch of one of its
+    splits (a char-LM corpus that is missing, empty or too small), before anything is
+    compiled or written."""
+    for split in ("train", *task.eval_splits):
+        try:
+            batch = as_arrays(task.batch(0, 1, split=split))
+            check_arrays(batch, task.vocab_size, f"{task.name}: {split} batch 0")
+        except ValueError as error:
+            raise ConfigError(f"task: {error}") from error
 
 
 def stacked_batches(task, start: int, count: int, batch_size: int) -> dict[str, np.ndarray]:
@@ -267,20 +284,30 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(fresh, path)
 
 
-def _record_config(config: config_dict.ConfigDict, workdir: Path) -> None:
-    """Write ``config.json``; when resuming, warn about keys that differ from the saved one."""
+def _record_config(config: config_dict.ConfigDict, workdir: Path, step: int) -> None:
+    """Write ``config.json`` as the run starts at ``step`` (0, or the checkpoint it resumes
+    from). When the saved one has other values, warn naming the keys and keep it as
+    ``config.<step>.json``, the config of the steps up to ``step``."""
     path = workdir / CONFIG_FILE
     current = json.loads(config.to_json_best_effort())
     if path.exists():
+        saved = path.read_text(errors="replace")
         try:
-            before = _flat(json.loads(path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            before = _flat(json.loads(saved))
+        except json.JSONDecodeError as error:
             logging.warning("%s is unreadable (%s); replacing it", path, error)
             before = _flat(current)
         now = _flat(current)
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if changed:
-            logging.warning("config differs from the one saved in %s: %s", path, changed)
+            kept = workdir / f"config.{step}.json"
+            write_atomic(kept, saved)
+            logging.warning(
+                "config differs from the one saved in %s: %s; that one is kept as %s",
+                path,
+                changed,
+                kept,
+            )
     write_atomic(path, json.dumps(current, indent=2) + "\n")
 
 
@@ -305,15 +332,32 @@ def check_workdir(workdir: Path) -> None:
                 path.rmdir()
 
 
+def check_run(workdir: str | Path) -> Path:
+    """The checkpoint folder of the run in ``workdir``; raises :class:`ConfigError` when there
+    is no run there (no checkpoint folder)."""
+    directory = Path(workdir) / CHECKPOINTS
+    if not directory.is_dir():
+        raise ConfigError(
+            f"no run in --workdir {workdir} (no {CHECKPOINTS} folder): train one there first "
+            f"(experiments/train.py --workdir {workdir})"
+        )
+    return directory
+
+
 def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
-    """The config a run in ``workdir`` was trained with."""
+    """The config a run in ``workdir`` was trained with (typed as its config file made it:
+    :func:`nested.run.config_schema.from_json`)."""
+    check_run(workdir)
     path = Path(workdir) / CONFIG_FILE
     if not path.exists():
-        raise ConfigError(f"--workdir {workdir} has no {CONFIG_FILE}; pass --config")
+        raise ConfigError(
+            f"--workdir {workdir} has no {CONFIG_FILE}; pass --config, the file it was trained with"
+        )
     try:
-        return config_dict.ConfigDict(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not a readable config ({error}); pass --config") from error
+    return config_lib.from_json(data)
 
 
 @contextlib.contextmanager
@@ -351,9 +395,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     check_workdir(workdir)
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
+    check_task(task)
     layout = make_layout(exp)
     workdir.mkdir(parents=True, exist_ok=True)
-    _record_config(config, workdir)
     logging.info("task: %s", task.describe())
     logging.info("system: %s", exp.system)
     logging.info("mesh: %s", sharding.describe(layout.mesh))
@@ -380,7 +424,10 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                         f"train.steps={cfg.steps} is below the step {step} of the checkpoint in "
                         f"{ckpt.directory}; set train.steps >= {step} or use a new workdir"
                     )
+            _record_config(exp.config, workdir, step)  # the run starts
             writer = metrics.MetricWriter(workdir, resume_step=step if restored else None)
+            skipped = metrics.skipped(metrics.read(workdir)) or 0
+            skipped += sum(int(v.get("skipped", 0)) for v in window)
 
             # 3. Loop: one jitted call per `steps_per_call` outer steps.
             train_fn, eval_fn = make_train_fn(program, layout), make_eval_fn(program, layout)
@@ -400,7 +447,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                 for i in range(count):
                     values = {k: float(v[i]) for k, v in out.items()}
                     window.append(_checked(values, step + i + 1))
+                    skipped += int(values.get("skipped", 0))
                 step, tokens = step + count, tokens + n_tokens
+                _check_skipped(skipped, step, cfg)
                 rate = tokens / max(time.perf_counter() - window_start, 1e-9)
                 bar.update(count)
                 bar.set_postfix(loss=f"{out['loss'][-1]:.4f}", tokens_per_s=f"{rate:.0f}")
@@ -439,7 +488,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
 
     # 4. End: plot and summary.
     records = metrics.read(workdir)
-    plot = metrics.plot(records, workdir / metrics.PLOT_FILE, title=_title(config))
+    plot = metrics.plot(records, workdir / metrics.PLOT_FILE, title=_title(exp.config))
     result = metrics.summary(records)
     result.update(plot=str(plot), train_seconds=train_seconds)
     print(metrics.format_summary(result))
@@ -466,6 +515,19 @@ def _checked(values: dict[str, float], step: int) -> dict[str, float]:
             f"optimizer.grad_clip, or skip such steps with train.skip_nonfinite=True)"
         )
     return {k: v for k, v in values.items() if not k.startswith(metrics.CHECKS_PREFIX)}
+
+
+def _check_skipped(skipped: int, step: int, cfg) -> None:
+    """Stop the run once more than ``train.max_skipped_fraction`` of its steps were skipped
+    as non-finite: the model it would end with is not trained."""
+    limit = cfg.max_skipped_fraction
+    if skipped > limit * cfg.steps:
+        raise guards.NonFiniteError(
+            f"step {step}: {skipped} of the run's train.steps={cfg.steps} steps were skipped as "
+            f"non-finite, more than train.max_skipped_fraction={limit} of them; the run stopped "
+            "(lower optimizer.learning_rate, set optimizer.grad_clip, or raise "
+            "train.max_skipped_fraction)"
+        )
 
 
 def _window_means(window: list[dict[str, float]]) -> dict[str, float]:
@@ -503,23 +565,25 @@ def evaluate_workdir(
     config: config_dict.ConfigDict | None,
     workdir: str | Path,
     *,
-    load_memory: str | None = None,
-    save_memory: str | None = None,
+    load_memory: str | Path | None = None,
+    save_memory: str | Path | None = None,
 ) -> dict:
     """Evaluate the latest checkpoint of ``workdir`` on every held-out split.
 
-    ``config``: the run's config (None: the one saved in the workdir). With ``load_memory``
-    or ``save_memory`` the evaluation is a *session*: the carried fast state starts from the
-    memory state saved at ``load_memory`` (else the checkpoint's), carries through every
-    eval batch, and is saved at ``save_memory`` when the session ends
-    (:mod:`nested.run.memory_state`). Returns the summary and writes ``eval.json``.
+    ``config``: the run's config (None: the one saved in the workdir). Without a session the
+    summary is written to ``eval.json``. With ``load_memory`` or ``save_memory`` the
+    evaluation is a *session*: the carried fast state starts from the memory state saved at
+    ``load_memory`` (else the checkpoint's), carries through every eval batch, and is saved at
+    ``save_memory`` when the session ends (:mod:`nested.run.memory_state`, with the model's
+    fingerprint: a memory state of another model is refused); its summary, with both paths,
+    is appended to ``sessions.jsonl``, so sessions never overwrite each other's results.
+    Everything is checked (the run, the config, the task, the memory state to load) before
+    anything is compiled. Returns the summary.
     """
     workdir = Path(workdir)
+    directory = check_run(workdir)
     exp = config_lib.build(config if config is not None else load_workdir_config(workdir))
     cfg = exp.config.train
-    directory = workdir / CHECKPOINTS
-    if not directory.is_dir():
-        raise checkpoint.CheckpointError(f"no checkpoints in {directory}; train a run there first")
     session = load_memory is not None or save_memory is not None
     if session and not exp.carries_fast:
         names = list(exp.config.levels.keys())
@@ -527,6 +591,9 @@ def evaluate_workdir(
             f"a memory session needs a level with persist='stream'; levels {names} restart at "
             f"every sequence (set --config.levels.<name>.persist=stream and retrain)"
         )
+    if load_memory is not None:
+        memory_state.read_meta(load_memory)
+    check_task(exp.task)
     layout = make_layout(exp)
     state = init_state(exp, layout)
     every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
@@ -534,9 +601,10 @@ def evaluate_workdir(
         restored = ckpt.restore_latest(state)
     if restored is None:
         raise checkpoint.CheckpointError(f"no readable checkpoint in {directory}")
-    state = restored.state
+    state, model = restored.state, fingerprint.of(exp.config, restored.step)
     if load_memory is not None:
-        state = state.replace(fast=memory_state.load(load_memory, like=state.fast))
+        fast = memory_state.load(load_memory, like=state.fast, fingerprint=model)
+        state = state.replace(fast=fast)
     results, fast = evaluate(
         make_eval_fn(exp.program, layout),
         state,
@@ -546,9 +614,18 @@ def evaluate_workdir(
         carry=session,
     )
     if save_memory is not None:
-        memory_state.save(save_memory, fast)
+        memory_state.save(save_memory, fast, fingerprint=model)
     records = [{"step": restored.step, "split": s, **v} for s, v in results.items()]
     result = metrics.summary(records)
-    write_atomic(workdir / "eval.json", json.dumps(result, indent=2) + "\n")
+    if session:
+        paths = {"load_memory": load_memory, "save_memory": save_memory}
+        result.update({k: None if v is None else str(v) for k, v in paths.items()})
+        path = workdir / SESSIONS_FILE
+        with path.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+    else:
+        path = workdir / EVAL_FILE
+        write_atomic(path, json.dumps(result, indent=2) + "\n")
     print(metrics.format_summary(result))
+    print(f"results: {path}")
     return result
