@@ -16,8 +16,8 @@ import tiny_configs
 
 import nested as nl
 from nested.data import decode
+from nested.run import checkpoint, export, sampling, train
 from nested.run import config as nc
-from nested.run import export, sampling, train
 
 TEXT = "def add(x, y):\n    return x + y\n\n" * 40
 PROMPT = np.frombuffer(b"def add(", np.uint8).astype(np.int32)[None]  # (1, 8)
@@ -74,6 +74,15 @@ def test_load_restores_the_latest_checkpoint_and_its_config(workdir, trained):
     assert int(state.step) == trained.step == 4
     assert program.vocab == 256
     chex.assert_trees_all_equal(state.params, trained.state.params)
+
+
+def test_load_of_a_workdir_without_a_run_names_it(workdir, tmp_path):
+    user_errors = (nc.ConfigError, checkpoint.CheckpointError)
+    with pytest.raises(user_errors, match=f"{tmp_path}.*train"):
+        nl.load(tmp_path)
+    (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
+    with pytest.raises(user_errors, match=f"{tmp_path}.*train"):
+        nl.load(tmp_path)
 
 
 def test_sampling_continues_a_char_lm_prompt_deterministically_under_a_seed(trained):
