@@ -112,7 +112,7 @@ def import_model(path: str | Path, config: config_dict.ConfigDict | None = None)
         raise ExportError(f"{str(path)!r} is not an exported model (no format {FORMAT!r})")
     saved = content.get("fingerprint")
     if config is None:
-        config = config_dict.ConfigDict(json.loads(content["config"]))
+        config = config_lib.from_json(json.loads(content["config"]))
     step = (saved or {}).get("step")
     try:
         fingerprint.check(saved, fingerprint.of(config, step), what)
