@@ -94,10 +94,10 @@ def test_eval_sessions_carry_the_memory_across_processes(tmp_path):
     m1, m2 = tmp_path / "m1", tmp_path / "m2"
     rc, _, err = run(EVAL, f"--workdir={workdir}", f"--save_memory={m1}")
     assert rc == 0, err[-3000:]
-    first = json.loads((workdir / "eval.json").read_text())
     rc, _, err = run(EVAL, f"--workdir={workdir}", f"--load_memory={m1}", f"--save_memory={m2}")
     assert rc == 0, err[-3000:]
-    second = json.loads((workdir / "eval.json").read_text())
+    lines = (workdir / "sessions.jsonl").read_text().splitlines()
+    first, second = (json.loads(line) for line in lines)  # one line per session
     assert m1.is_dir() and m2.is_dir()
     assert second["splits"] != first["splits"]  # the second session starts from m1's memory
 
