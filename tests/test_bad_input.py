@@ -157,7 +157,7 @@ def test_token_ids_outside_the_vocabulary_stop_the_run(tmp_path, monkeypatch):
         "task mqar: training batch 1: inputs holds token ids in [16, "
     )
     assert str(info.value).endswith(
-        "], outside [0, task.vocab_size=16); raise task.vocab_size or fix the task's data"
+        "], outside [0, 16) (task.vocab_size); raise task.vocab_size or fix the task's data"
     )
 
 

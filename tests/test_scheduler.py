@@ -154,14 +154,14 @@ def test_token_ids_outside_the_vocabulary_are_refused_where_the_batch_enters():
     ):
         with pytest.raises(ValueError, match=outside):
             call()
-    with pytest.raises(ValueError, match=r"batch targets holds token ids in \[-1, "):
+    with pytest.raises(ValueError, match=r"batch: targets holds token ids in \[-1, "):
         prog.check_batch({**batch, "inputs": x[:, :-1], "targets": x[:, 1:].at[0, 0].set(-1)})
     step = jax.jit(prog.train_step)
-    with pytest.raises(ValueError, match="batch inputs must hold integer token ids, got float"):
+    with pytest.raises(ValueError, match="batch: inputs must hold integer token ids, got float"):
         step(state, {**batch, "inputs": batch["inputs"].astype(jnp.float32)})
-    with pytest.raises(ValueError, match=r"batch targets has shape \(2, 7\), inputs \(2, 8\)"):
+    with pytest.raises(ValueError, match=r"batch: targets has shape \(2, 7\), inputs \(2, 8\)"):
         step(state, {**batch, "targets": x[:, 2:]})
     with pytest.raises(ValueError, match=r"batch has no 'targets'; .* got \['inputs'\]"):
         step(state, {"inputs": x})
-    with pytest.raises(ValueError, match=r"batch inputs has shape \(9,\); .* \(B, T\)"):
+    with pytest.raises(ValueError, match=r"batch: inputs has shape \(9,\); .* \(B, T\)"):
         step(state, {"inputs": x[0], "targets": x[0]})

@@ -33,14 +33,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, struct
 
 from nested.core import guards, outer_loss
 from nested.core.level import Level, LevelState
 from nested.core.system import NestedSystem
-from nested.data.batch import Batch, as_arrays
+from nested.data.batch import Batch, as_arrays, check_arrays, check_tokens
 
 
 @struct.dataclass
@@ -88,6 +87,11 @@ def _difference(system: Level, model: Level) -> str:
     ours = ", ".join(f"{f}={getattr(system, f)!r}" for f in differ)
     theirs = ", ".join(f"{f}={getattr(model, f)!r}" for f in differ)
     return f"the system's has {ours}, the model's {theirs}"
+
+
+# Token ids outside the model's vocabulary: where the bound comes from, and the fix.
+_VOCAB = "the model's vocabulary: its logits' last dim"
+_FIX = "fix the data or build a model of that vocabulary"
 
 
 class Program:
@@ -156,43 +160,14 @@ class Program:
         jitted step. The steps call it themselves, so shapes and dtypes are checked under jit.
         """
         arrays = as_arrays(batch)
-        for key in ("inputs", "targets"):
-            if key not in arrays:
-                raise ValueError(
-                    f"batch has no {key!r}; a batch holds 'inputs' and 'targets' (B, T) token "
-                    f"ids and optionally 'mask' (B, T), got {sorted(arrays)}"
-                )
-        self.check_tokens(arrays["inputs"], "batch inputs")
-        shape = tuple(arrays["inputs"].shape)
-        for key in ("targets", "mask"):
-            if key in arrays and tuple(jnp.shape(arrays[key])) != shape:
-                raise ValueError(
-                    f"batch {key} has shape {tuple(jnp.shape(arrays[key]))}, inputs {shape}; "
-                    f"they must match"
-                )
-        self.check_tokens(arrays["targets"], "batch targets")
+        check_arrays(arrays, self.vocab, "batch", source=_VOCAB, fix=_FIX)
         return arrays
 
     def check_tokens(self, x, name: str) -> None:
         """Raise ``ValueError`` naming ``name`` unless ``x`` is (B, T) integers (checked at
         trace time) whose ids, where its values are known (not a tracer), lie in
         ``[0, vocab)``."""
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise ValueError(f"{name} is a {type(x).__name__}; pass an array (B, T) of token ids")
-        if len(x.shape) != 2:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; token ids come as (B, T)")
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer token ids, got {x.dtype}")
-        if isinstance(x, jax.core.Tracer) or not x.size:
-            return
-        x = np.asarray(x)
-        low, high = int(x.min()), int(x.max())
-        if low < 0 or high >= self.vocab:
-            raise ValueError(
-                f"{name} holds token ids in [{low}, {high}], outside [0, {self.vocab}) (the "
-                f"model's vocabulary: its logits' last dim); fix the data or build a model of "
-                f"that vocabulary"
-            )
+        check_tokens(x, self.vocab, name, source=_VOCAB, fix=_FIX)
 
     def start_fast(self, params, batch_size: int, carried=None):
         """The fast state a sequence starts from: learned initial states, except that levels

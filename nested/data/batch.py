@@ -16,9 +16,10 @@ streams across releases).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+import jax
 import numpy as np
 
 
@@ -78,18 +79,61 @@ def make_batch(
     )
 
 
-def as_arrays(batch: Batch | Mapping[str, Any]) -> dict[str, Any]:
+def as_arrays(batch: Batch | Mapping[str, Any], *, extras: Sequence[str] = ()) -> dict[str, Any]:
     """The arrays a program's steps take (``nested.Program.train_step``, ``eval_step``,
-    ``loss``): ``inputs``, ``targets`` and ``mask`` of a :class:`Batch` (its ``extras`` stay
-    behind), or a mapping's entries as they are."""
+    ``loss``): ``inputs``, ``targets`` and ``mask`` of a :class:`Batch` and those of its
+    ``extras`` named in ``extras`` that it has (the masks of sub-metrics), or a mapping's
+    entries as they are."""
     if isinstance(batch, Batch):
-        return {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
+        out = {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
+        return {**out, **{name: batch.extras[name] for name in extras if name in batch.extras}}
     if isinstance(batch, Mapping):
         return dict(batch)
     raise ValueError(
         f"batch is a {type(batch).__name__}; pass a nested.data.Batch or a mapping of "
         f"'inputs' and 'targets' (B, T) token ids and optionally 'mask' (B, T)"
     )
+
+
+def check_tokens(x: Any, vocab: int, name: str, *, source: str, fix: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``x`` is ``(B, T)`` integer token ids in
+    ``[0, vocab)``; the ids are checked where their values are known (not on a tracer, inside
+    ``jax.jit``), shape and dtype always. ``source`` says where ``vocab`` comes from, ``fix``
+    what to do (both end the message)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"{name} is a {type(x).__name__}; pass an array (B, T) of token ids")
+    if len(x.shape) != 2:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; token ids come as (B, T)")
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got {x.dtype}")
+    if isinstance(x, jax.core.Tracer) or not x.size:
+        return
+    x = np.asarray(x)
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"{name} holds token ids in [{low}, {high}], outside [0, {vocab}) ({source}); {fix}"
+        )
+
+
+def check_arrays(arrays: Mapping[str, Any], vocab: int, where: str, *, source: str, fix: str):
+    """Refuse a batch the model would misread silently (the embedding gather clamps ids):
+    ``inputs`` and ``targets`` missing, arrays of different shapes, token ids that are not
+    integers in ``[0, vocab)`` (:func:`check_tokens`). ``where`` names the batch."""
+    for key in ("inputs", "targets"):
+        if key not in arrays:
+            raise ValueError(
+                f"{where} has no {key!r}; a batch holds 'inputs' and 'targets' (B, T) token "
+                f"ids and optionally 'mask' (B, T), got {sorted(arrays)}"
+            )
+    shape = tuple(np.shape(arrays["inputs"]))
+    for key, x in arrays.items():
+        if tuple(np.shape(x)) != shape:
+            raise ValueError(
+                f"{where}: {key} has shape {tuple(np.shape(x))}, inputs {shape}; they must match"
+            )
+    for key in ("inputs", "targets"):
+        check_tokens(arrays[key], vocab, f"{where}: {key}", source=source, fix=fix)
 
 
 def rng_for(seed: int, split: str, index: int) -> np.random.Generator:

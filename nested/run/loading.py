@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from nested.core.scheduler import Program, State
-from nested.run import checkpoint, fingerprint, train
 from nested.run import config as config_lib
+from nested.run import fingerprint, train
 from nested.run.config import Experiment
 
 
@@ -44,20 +44,8 @@ class Trained(NamedTuple):
 def load_trained(workdir: str | Path) -> Trained:
     """The run trained in ``workdir``: its config and the state of its latest readable
     checkpoint (slow parameters, optimizer state, carried fast states, step, RNG)."""
-    workdir = Path(workdir)
     experiment = config_lib.build(train.load_workdir_config(workdir))
-    directory = workdir / train.CHECKPOINTS
-    if not directory.is_dir():
-        raise checkpoint.CheckpointError(
-            f"no checkpoints in {directory}; train a run there first "
-            f"(experiments/train.py --workdir {workdir})"
-        )
-    cfg = experiment.config.train
-    every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
-    with checkpoint.Checkpointer(directory, every=every, keep=keep) as ckpt:
-        restored = ckpt.restore_latest(train.init_state(experiment))
-    if restored is None:
-        raise checkpoint.CheckpointError(f"no readable checkpoint in {directory}")
+    restored = train.restore_latest(experiment, train.check_run(workdir))
     return Trained(experiment, restored.state, restored.step)
 
 

@@ -80,31 +80,17 @@ class Stopped(Exception):
 # -- pieces (each usable alone) ---------------------------------------------------------------
 
 
-def as_arrays(batch, *, extra_masks: bool = False) -> dict[str, np.ndarray]:
-    """A ``nested.data.Batch`` as the dict the program takes; with ``extra_masks``, also the
-    masks of sub-metrics (``in_context`` for the continual task)."""
-    out = {"inputs": batch.inputs, "targets": batch.targets, "mask": batch.mask}
-    if extra_masks and "in_context" in batch.extras:
-        out["in_context"] = batch.extras["in_context"]
-    return out
-
-
 def check_arrays(arrays: Mapping[str, np.ndarray], vocab: int, where: str) -> None:
-    """Refuse a batch the model would misread silently: token ids outside ``[0, vocab)`` (the
-    embedding gather clamps them) or arrays of different shapes. ``where`` names the batch."""
-    shape = arrays["inputs"].shape
-    for key, x in arrays.items():
-        if x.shape != shape:
-            raise ConfigError(f"{where}: {key} has shape {x.shape}, inputs {shape}; must match")
-    for key in ("inputs", "targets"):
-        x = arrays[key]
-        if not np.issubdtype(x.dtype, np.integer):
-            raise ConfigError(f"{where}: {key} must hold integer token ids, got dtype {x.dtype}")
-        if x.size and (x.min() < 0 or x.max() >= vocab):
-            raise ConfigError(
-                f"{where}: {key} holds token ids in [{x.min()}, {x.max()}], outside "
-                f"[0, task.vocab_size={vocab}); raise task.vocab_size or fix the task's data"
-            )
+    """Refuse a task's batch the model would misread silently (:func:`nested.data.check_arrays`:
+    token ids outside ``[0, task.vocab_size)``, arrays of different shapes) with a
+    :class:`ConfigError`; ``where`` names the batch."""
+    try:
+        data.check_arrays(arrays, vocab, where, source="task.vocab_size", fix=_VOCAB_FIX)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+_VOCAB_FIX = "raise task.vocab_size or fix the task's data"
 
 
 def check_task(task) -> None:
@@ -113,7 +99,7 @@ def check_task(task) -> None:
     compiled or written."""
     for split in ("train", *task.eval_splits):
         try:
-            batch = as_arrays(task.batch(0, 1, split=split))
+            batch = data.as_arrays(task.batch(0, 1, split=split))
             check_arrays(batch, task.vocab_size, f"{task.name}: {split} batch 0")
         except ValueError as error:
             raise ConfigError(f"task: {error}") from error
@@ -122,7 +108,7 @@ def check_task(task) -> None:
 def stacked_batches(task, start: int, count: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batches ``start .. start + count - 1`` stacked on a leading axis (each
     checked with :func:`check_arrays`)."""
-    batches = [as_arrays(task.batch(i, batch_size)) for i in range(start, start + count)]
+    batches = [data.as_arrays(task.batch(i, batch_size)) for i in range(start, start + count)]
     for i, arrays in enumerate(batches):
         check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
@@ -227,7 +213,7 @@ def evaluate(
     for split in task.eval_splits if splits is None else splits:
         parts = []
         for i in range(batches):
-            batch = as_arrays(task.batch(i, batch_size, split=split), extra_masks=True)
+            batch = data.as_arrays(task.batch(i, batch_size, split=split), extras=("in_context",))
             check_arrays(batch, task.vocab_size, f"task {task.name}: {split} batch {i}")
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
             parts.append(jax.device_get(out))
@@ -342,6 +328,21 @@ def check_run(workdir: str | Path) -> Path:
             f"(experiments/train.py --workdir {workdir})"
         )
     return directory
+
+
+def restore_latest(
+    exp: Experiment, directory: Path, layout: sharding.Layout | None = None
+) -> checkpoint.Restored:
+    """The latest readable checkpoint of ``directory`` restored into the state of ``exp``
+    (on ``layout``'s shardings when given); raises :class:`nested.run.checkpoint.CheckpointError`
+    when none is readable (damaged ones are set aside, as the checkpointer does)."""
+    cfg = exp.config.train
+    every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
+    with checkpoint.Checkpointer(directory, every=every, keep=keep) as ckpt:
+        restored = ckpt.restore_latest(init_state(exp, layout))
+    if restored is None:
+        raise checkpoint.CheckpointError(f"no readable checkpoint in {directory}")
+    return restored
 
 
 def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
@@ -595,12 +596,7 @@ def evaluate_workdir(
         memory_state.read_meta(load_memory)
     check_task(exp.task)
     layout = make_layout(exp)
-    state = init_state(exp, layout)
-    every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
-    with checkpoint.Checkpointer(directory, every=every, keep=keep) as ckpt:
-        restored = ckpt.restore_latest(state)
-    if restored is None:
-        raise checkpoint.CheckpointError(f"no readable checkpoint in {directory}")
+    restored = restore_latest(exp, directory, layout)
     state, model = restored.state, fingerprint.of(exp.config, restored.step)
     if load_memory is not None:
         fast = memory_state.load(load_memory, like=state.fast, fingerprint=model)
