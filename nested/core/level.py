@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import optax
-from flax import struct
+from flax import nnx, struct
 
 from nested.learn.objectives import OuterLoss
 from nested.learn.rules import Gate, Rule, as_rule
@@ -34,6 +34,12 @@ from nested.learn.rules import Gate, Rule, as_rule
 PERSIST = ("sequence", "stream")
 READS = ("after_write", "chunk_start")
 RESERVED_ITEM_KEYS = ("k", "v", "q")
+
+
+class InitialState(nnx.Param):
+    """The learned initial state ``theta_0`` of a fast level: a slow parameter like any other
+    (the owner level trains it), but fast states start from it, so it stays float32 when the
+    model computes in a lower precision (``nested.compile(..., compute_dtype=...)``)."""
 
 
 @struct.dataclass

@@ -22,6 +22,13 @@ values are tracers, and an id outside the vocabulary would make the loss NaN.
 
 The model is a Flax NNX module built by the outermost level's factory; the scheduler only sees
 pytrees (``nnx.split`` once, ``nnx.merge`` inside each pure function).
+
+Mixed precision: with ``compile(system, compute_dtype=jnp.bfloat16)`` the model computes in
+that dtype: the float32 slow parameters are cast to it where the model is merged (their
+gradients come back in float32 through the cast), except the fast levels' learned initial
+states (:class:`nested.core.level.InitialState`), so every fast state starts, is updated and
+is carried in float32 (the kernels compute in the wider of their inputs' dtypes); the outer
+objective sees float32 logits.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import optax
 from flax import nnx, struct
 
 from nested.core import guards, outer_loss
-from nested.core.level import Level, LevelState
+from nested.core.level import InitialState, Level, LevelState
 from nested.core.system import NestedSystem
 from nested.data.batch import Batch, as_arrays, check_arrays, check_tokens
 
@@ -97,9 +104,12 @@ _FIX = "fix the data or build a model of that vocabulary"
 class Program:
     """The compiled system; see the module docstring."""
 
-    def __init__(self, system: NestedSystem, *, skip_nonfinite: bool = False):
+    def __init__(self, system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None):
         self.system = system
         self.skip_nonfinite = skip_nonfinite
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
+            raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating dtype")
         outer = system.outer
         model = nnx.eval_shape(lambda: outer.memory(nnx.Rngs(0)))
         for attr in ("initial_fast",):
@@ -142,7 +152,14 @@ class Program:
     # -- building blocks ------------------------------------------------------------------
 
     def model(self, params) -> nnx.Module:
-        return nnx.merge(self.graphdef, params)
+        """The model of ``params``, its parameters in the compute dtype (module docstring)."""
+        if self.compute_dtype is None:
+            return nnx.merge(self.graphdef, params)
+        initial, rest = nnx.split_state(params, InitialState, ...)
+        cast = lambda x: (
+            x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        )
+        return nnx.merge(self.graphdef, initial, jax.tree.map(cast, rest))
 
     @functools.cached_property
     def vocab(self) -> int:
@@ -228,6 +245,7 @@ class Program:
         logits, fast = self._forward(
             params, batch["inputs"], fast, targets=batch["targets"], mask=batch.get("mask")
         )
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # bf16 -> f32
         loss, metrics = self.outer.objective(logits, batch)
         return loss, (metrics, fast)
 
@@ -271,12 +289,16 @@ class Program:
         return metrics
 
 
-def compile(system: NestedSystem, *, skip_nonfinite: bool = False) -> Program:  # noqa: A001
+def compile(  # noqa: A001
+    system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None
+) -> Program:
     """Compile ``system`` into a :class:`Program` (validates the model against the levels).
 
     ``skip_nonfinite``: a step whose loss, gradients or fast states are not finite keeps the
     previous state instead of applying the update (see :mod:`nested.core.guards`).
+    ``compute_dtype``: the model computes in this dtype (e.g. ``jnp.bfloat16``), parameters
+    and fast states stay float32 (module docstring); None: in the parameters' dtype.
     """
     if not isinstance(system, NestedSystem):
         raise ValueError(f"compile() takes a nested.NestedSystem, got {type(system).__name__}")
-    return Program(system, skip_nonfinite=skip_nonfinite)
+    return Program(system, skip_nonfinite=skip_nonfinite, compute_dtype=compute_dtype)

@@ -27,14 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
-from nested.core.level import Level
-from nested.nn.layers import (
-    InitialState,
-    ShortConv,
-    initial_memories,
-    l2_normalize,
-    per_sequence,
-)
+from nested.core.level import InitialState, Level
+from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
 
 
 class SelfModifyingLayer(nnx.Module):

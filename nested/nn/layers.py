@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
-from nested.core.level import Level, LevelState
+from nested.core.level import InitialState, Level, LevelState
 
 
 class ShortConv(nnx.Module):
@@ -34,7 +34,9 @@ class ShortConv(nnx.Module):
         self.kernel = nnx.Param(init.at[-1].add(1.0))  # start near the identity
 
     def initial_cache(self, batch_size: int) -> jax.Array:
-        return jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), self.kernel.dtype)
+        """At least float32 whatever the compute precision: a carried stream keeps one dtype."""
+        dtype = jnp.promote_types(self.kernel.dtype, jnp.float32)
+        return jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype)
 
     def __call__(self, x: jax.Array, cache: jax.Array) -> tuple[jax.Array, jax.Array]:
         T = x.shape[1]
@@ -42,12 +44,6 @@ class ShortConv(nnx.Module):
         kernel = self.kernel[...].astype(x.dtype)
         y = sum(kernel[None, None, i] * padded[:, i : i + T] for i in range(self.width))
         return jax.nn.silu(y), padded[:, T:].astype(cache.dtype)
-
-
-class InitialState(nnx.Param):
-    """The learned initial state ``theta_0`` of a fast level: a slow parameter like any other
-    (the owner level trains it), but the fast state starts from it, so it stays float32 when
-    the model computes in a lower precision (``nested.compile(..., compute_dtype=...)``)."""
 
 
 def initial_memories(memory, key: jax.Array, count: int | None) -> InitialState:

@@ -162,7 +162,9 @@ class MemoryLM(nnx.Module):
         return tuple(block.initial_state(batch_size) for block in self.blocks)
 
     def __call__(self, tokens: jax.Array, fast):
-        x = self.embed(tokens)
+        # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
+        # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
+        x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
         states = []
         for block, state in zip(self.blocks, fast, strict=True):
             x, state = block(x, state)

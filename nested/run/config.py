@@ -123,8 +123,12 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
     train = schema.check_keys("train", config.train, {**TRAIN_DEFAULTS, "mesh": MESH_DEFAULTS})
     mesh = schema.check_keys("train.mesh", train.pop("mesh", {}), MESH_DEFAULTS)
     train = {**TRAIN_DEFAULTS, **train, "mesh": schema.wrapped(None, check_mesh, mesh)}
+    if train["dtype"] not in schema.DTYPES:
+        raise ConfigError(f"train.dtype={train['dtype']!r} is unknown; allowed: {schema.DTYPES}")
     for name, default in TRAIN_DEFAULTS.items():
         value = train[name]
+        if isinstance(default, str):
+            continue
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"train.{name}={value!r} must be True or False")
         if isinstance(default, float) and not (
@@ -271,7 +275,10 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     )
     owners = schema.owners(config, OUTER)
     system = schema.wrapped("levels", NestedSystem, [outer, *levels.values()], owners=owners)
-    program = schema.wrapped("model", compile, system, skip_nonfinite=train["skip_nonfinite"])
+    compute = None if train["dtype"] == "float32" else train["dtype"]
+    program = schema.wrapped(
+        "model", compile, system, skip_nonfinite=train["skip_nonfinite"], compute_dtype=compute
+    )
     return Experiment(config, task, system, program, schedule)
 
 

@@ -59,6 +59,7 @@ SCHEDULES = ("constant", "cosine")
 SCHEDULE_DEFAULTS = types.MappingProxyType(
     {"schedule": "cosine", "warmup_steps": 100, "min_lr_ratio": 0.1, "grad_clip": 1.0}
 )
+DTYPES = ("float32", "bfloat16")  # train.dtype
 TRAIN_DEFAULTS = types.MappingProxyType(
     {
         "steps": 1000,  # outer steps (one batch each)
@@ -74,6 +75,9 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         # More skipped steps than this fraction of train.steps stop the run (not trained).
         "max_skipped_fraction": 0.1,
         "smoke": False,  # a short check run of the config (nested.run.config.as_run)
+        # The model's compute precision; parameters and fast states stay float32
+        # (nested.compile's compute_dtype). One of DTYPES.
+        "dtype": "float32",
     }
 )
 

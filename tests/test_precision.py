@@ -1,0 +1,49 @@
+"""bfloat16 compute (``train.dtype``): the model computes in bfloat16, its parameters and every
+fast state stay float32, and training follows the float32 run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tiny_configs
+
+from nested import data
+from nested.run import config as nc
+
+
+def build(name, dtype, **more):
+    exp = nc.build(tiny_configs.config(name, train__dtype=dtype, **more))
+    batch_size = exp.config.train.batch_size
+    state = exp.program.init(jax.random.key(0), batch_size=batch_size if exp.carries_fast else None)
+    return exp, state
+
+
+def dtypes(tree):
+    return {str(x.dtype) for x in jax.tree.leaves(tree)}
+
+
+def test_bfloat16_compute_keeps_parameters_and_fast_states_in_float32():
+    exp, state = build("continual", "bfloat16")
+    tokens = data.as_arrays(exp.task.batch(0, exp.config.train.batch_size))["inputs"]
+    logits, fast = exp.program.apply(state.params, tokens, state.fast)
+    assert logits.dtype == jnp.bfloat16  # the model computed in bfloat16
+    assert dtypes(fast) == {"float32"}  # the fast states did not
+    batch = data.as_arrays(exp.task.batch(0, exp.config.train.batch_size))
+    state, metrics = jax.jit(exp.program.train_step)(state, batch)
+    assert dtypes(state.params) == dtypes(state.fast) == {"float32"}
+    assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_bfloat16_training_follows_float32_over_100_steps():
+    """Losses of the same 100 steps of MQAR: bfloat16 keeps 8 bits of mantissa (relative
+    rounding 2^-8 = 0.4% per operation); measured here, the losses differ by at most 0.01 on
+    losses of 2.4-3.5. Tolerance: 0.03 (1% of the loss)."""
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        exp, state = build("mqar", dtype, train__steps=100)
+        step, losses = jax.jit(exp.program.train_step), []
+        for i in range(100):
+            state, metrics = step(state, data.as_arrays(exp.task.batch(i, 4)))
+            losses.append(float(metrics["loss"]))
+        runs[dtype] = np.array(losses)
+    np.testing.assert_allclose(runs["bfloat16"], runs["float32"], atol=0.03)
+    assert runs["float32"][-1] < runs["float32"][0] - 0.5  # it trained: the check has teeth
