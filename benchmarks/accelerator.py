@@ -11,8 +11,9 @@ Steps, each a subprocess (the first failure stops the script with its exit statu
    generic path and per-token references, float64 where the device has it);
 2. ``ops_throughput.py`` (linear ops), ``neural_throughput.py`` (TTT, Titans, ATLAS) and
    ``scaling.py`` (one training step of a 2-layer LM: tokens/s and temporary memory as T
-   grows) at accelerator sizes, each writing its tables, with the device's peak memory, into
-   its own ``accelerator_*`` section of ``benchmarks/README.md``.
+   grows; float32 and bfloat16 compute) at accelerator sizes, each writing its tables, with
+   the device's peak memory, into its own ``accelerator_*`` section of
+   ``benchmarks/README.md``.
 
 Install the accelerator wheels first (README: ``pip install -e '.[cuda,test]'``).
 """
@@ -29,11 +30,33 @@ FULL = {
     "ops_throughput": ["--T", "4096", "16384"],
     "neural_throughput": ["--T", "4096", "--muon-T", "256"],
     "scaling": ["--lengths", "4096", "16384", "65536", "--batch", "4", "--no-devices"],
+    "scaling_bf16": [
+        "--lengths",
+        "4096",
+        "16384",
+        "65536",
+        "--batch",
+        "4",
+        "--no-devices",
+        "--dtype",
+        "bfloat16",
+    ],
 }
 QUICK = {
     "ops_throughput": ["--T", "64", "--runs", "1", "--ops", "delta_rule"],
     "neural_throughput": ["--T", "64", "--runs", "1", "--only", "Titans C=16"],
     "scaling": ["--lengths", "64", "--rules", "delta", "--runs", "1", "--no-devices"],
+    "scaling_bf16": [
+        "--lengths",
+        "64",
+        "--rules",
+        "delta",
+        "--runs",
+        "1",
+        "--no-devices",
+        "--dtype",
+        "bfloat16",
+    ],
 }
 TESTS = ["tests/test_kernels.py", "tests/test_ops_linear.py", "tests/test_ops_neural.py"]
 
@@ -57,7 +80,8 @@ def main():
         run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", *tests])
     for name, options in (QUICK if args.quick else FULL).items():
         write = ["--no-write"] if args.no_write else ["--section", f"accelerator_{name}"]
-        run([sys.executable, f"benchmarks/{name}.py", *options, *write])
+        script = name.removesuffix("_bf16")
+        run([sys.executable, f"benchmarks/{script}.py", *options, *write])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import nested as nl
 from nested.nn.models import MemoryLM
 
 
-def program(rule: str, dim: int, heads: int, vocab: int = 256) -> nl.Program:
+def program(rule: str, dim: int, heads: int, dtype=None, vocab: int = 256) -> nl.Program:
     d = dim // heads
     memory = nl.recipes.RULES[rule](d_k=d, d_v=d)
     backbone = nl.Level(
@@ -42,11 +42,12 @@ def program(rule: str, dim: int, heads: int, vocab: int = 256) -> nl.Program:
         update=optax.adamw(1e-3),
         every="step",
     )
-    return nl.compile(nl.NestedSystem([backbone, memory], owners={"memory": "backbone"}))
+    system = nl.NestedSystem([backbone, memory], owners={"memory": "backbone"})
+    return nl.compile(system, compute_dtype=dtype)
 
 
 def measure(rule: str, T: int, args: argparse.Namespace) -> dict:
-    prog = program(rule, args.dim, args.heads)
+    prog = program(rule, args.dim, args.heads, None if args.dtype == "float32" else args.dtype)
     state = prog.init(jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (args.batch, T + 1), 0, 256)
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
@@ -111,6 +112,12 @@ def main():
     parser.add_argument("--heads", type=int, default=4, help="memory heads (d_k = dim / heads)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per measurement")
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype (parameters and fast states stay float32)",
+    )
+    parser.add_argument(
         "--no-devices", action="store_true", help="skip the 1 vs 8 simulated devices comparison"
     )
     report.add_flag(parser, "scaling")
@@ -118,7 +125,8 @@ def main():
 
     out = report.Report(args.section)
     out.print(
-        f"batch {args.batch}, dim {args.dim}, heads {args.heads}, 2-layer LM, one training step\n"
+        f"batch {args.batch}, dim {args.dim}, heads {args.heads}, 2-layer LM, one training step, "
+        f"{args.dtype} compute\n"
     )
     out.print("| rule | T | temp MiB | temp / temp(T0) | T / T0 | tokens/s |")
     out.print("|---|---|---|---|---|---|")
