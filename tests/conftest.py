@@ -1,8 +1,10 @@
 """Strict JAX settings for every test: float64 available, no implicit rank promotion.
 
 The tests' programs are tiny, so their time is mostly XLA's compile time: the CPU backend's code
-generation runs unoptimised and without LLVM's expensive passes (the HLO passes still run), in
-every test and in the subprocesses the tests start. Benchmarks and runs keep the default."""
+generation runs unoptimised, without LLVM's expensive passes, and with the loop emitters rather
+than the MLIR fusion emitters (which take about three times as long on the tests' programs); the
+HLO passes still run. This holds in every test and in the subprocesses the tests start.
+Benchmarks and runs keep the default."""
 
 import os
 
@@ -11,6 +13,7 @@ os.environ["XLA_FLAGS"] = " ".join(
         os.environ.get("XLA_FLAGS", ""),
         "--xla_backend_optimization_level=0",
         "--xla_llvm_disable_expensive_passes=true",
+        "--xla_cpu_use_fusion_emitters=false",
     ]
 ).strip()
 

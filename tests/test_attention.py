@@ -37,8 +37,9 @@ def naive(attn, x, window):
 def test_attention_equals_the_per_position_definition(window):
     attn = SlidingWindowAttention(dim=DIM, heads=HEADS, window=window, rngs=nnx.Rngs(0))
     x = x_of(9)
-    y, _ = attn(x, attn.initial_state(2))
-    np.testing.assert_allclose(y, naive(attn, x, window), rtol=1e-5, atol=1e-6)
+    # one program (eagerly, each slice length of the loop compiled its own ops)
+    y, expected = jax.jit(lambda x: (attn(x, attn.initial_state(2))[0], naive(attn, x, window)))(x)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
 
 
 def assert_streams(layer, x, cuts):
@@ -157,15 +158,23 @@ def test_memory_as_context_equals_its_per_segment_definition_values_and_gradient
     mixer = mac()
     x = x_of(11).astype(jnp.float64)
     state = mixer.initial_state(2)
-    y, final = jax.jit(mixer)(x, state)
-    expected, expected_final = jax.jit(lambda x: mac_by_segments(mixer, x, state))(x)
+    y_shape, final_shape = jax.eval_shape(mixer, x, state)
+    weights = jax.random.normal(jax.random.key(3), y_shape.shape, jnp.float64)
+    # the gradient of sum(y * weights) w.r.t. x: the VJP of (weights, 0)
+    cotangent = (weights, jax.tree.map(jnp.zeros_like, final_shape))
+
+    @jax.jit  # one program for both, values and gradients: compiling dominates here
+    def values_and_gradients(x):
+        results = []
+        for f in (mixer, lambda x, s: mac_by_segments(mixer, x, s)):
+            out, pullback = jax.vjp(lambda x, f=f: f(x, state), x)
+            results.append((out, pullback(cotangent)[0]))
+        return results
+
+    ((y, final), grad), ((expected, expected_final), expected_grad) = values_and_gradients(x)
     np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
     chex.assert_trees_all_close(final, expected_final, rtol=1e-9, atol=1e-12)
-    weights = jax.random.normal(jax.random.key(3), y.shape, jnp.float64)
-    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(mixer, x, state)[0] * weights)))(x)
-    np.testing.assert_allclose(
-        grad(lambda m, x, s: m(x, s)), grad(mac_by_segments), rtol=1e-8, atol=1e-12
-    )
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-8, atol=1e-12)
 
 
 def test_memory_as_context_is_causal_and_reads_the_memory_across_segments():

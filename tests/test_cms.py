@@ -82,15 +82,20 @@ def test_update_is_the_rule_on_the_mean_window_gradient():
     state = prog.init(jax.random.key(0))
     batch = data(C)
     start = prog.start_fast(state.params, 2)
-    _, fast = prog.apply(state.params, batch["inputs"], start, targets=batch["targets"])
-
-    def window_loss(theta):
-        f = (dict(start[0], cms=(start[0]["cms"][0].replace(params=theta),)),)
-        logits, _ = prog.model(state.params)(batch["inputs"], f)
-        return jnp.sum(nl.objectives.token_cross_entropy(logits, batch))
-
     theta0 = start[0]["cms"][0].params
-    grad = jax.grad(window_loss)(theta0)
+
+    @jax.jit  # one program (eagerly, every op compiles on its own: slower)
+    def update_and_gradient(params, batch, start, theta0):
+        _, fast = prog.apply(params, batch["inputs"], start, targets=batch["targets"])
+
+        def window_loss(theta):
+            f = (dict(start[0], cms=(start[0]["cms"][0].replace(params=theta),)),)
+            logits, _ = prog.model(params)(batch["inputs"], f)
+            return jnp.sum(nl.objectives.token_cross_entropy(logits, batch))
+
+        return fast, jax.grad(window_loss)(theta0)
+
+    fast, grad = update_and_gradient(state.params, batch, start, theta0)
     expected = jax.tree.map(lambda p, g: p - lr * g / C, theta0, grad)
     for a, b in zip(
         jax.tree.leaves(fast[0]["cms"][0].params), jax.tree.leaves(expected), strict=True

@@ -54,9 +54,10 @@ ATLAS = nl.recipes.atlas(
 def test_streaming_at_chunk_boundaries(memory):
     layer = make_layer(memory=memory)
     x = x_of(3 * C + 2)
-    whole, final = layer(x, layer.initial_state(2))
-    a, mid = layer(x[:, : 2 * C], layer.initial_state(2))
-    b, end = layer(x[:, 2 * C :], mid)
+    call = jax.jit(lambda x, state: layer(x, state))  # (eagerly, every op compiles alone)
+    whole, final = call(x, layer.initial_state(2))
+    a, mid = call(x[:, : 2 * C], layer.initial_state(2))
+    b, end = call(x[:, 2 * C :], mid)
     np.testing.assert_allclose(jnp.concatenate([a, b], 1), whole, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(end, final, rtol=1e-5, atol=1e-6)
 

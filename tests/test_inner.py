@@ -92,11 +92,13 @@ CASES = {
 }
 
 
-def functional(o, W):
-    """A random linear functional of the outputs and the final state, for gradient checks."""
+def functional_weights(o, W):
+    """The weights (wo, wW) of a random linear functional sum(wo * o) + sum(wW * W) of the
+    outputs and the final state, for gradient checks: its gradient w.r.t. (o, W), so the
+    functional's gradient w.r.t. the inputs is the VJP of (wo, wW)."""
     wo = jax.random.normal(jax.random.key(7), o.shape)
     wW = jax.random.normal(jax.random.key(8), W.shape)
-    return jnp.sum(wo * o) + jnp.sum(wW * W)
+    return wo, wW
 
 
 SHAPES = [(10, 1, 4), (10, 4, 8), (7, 3, 3)]  # (T, every, chunk): T never a multiple
@@ -130,13 +132,20 @@ def test_generic_level_equals_per_token_loop(case, T, every, chunk, read):
         return reference(ctx, W0, every, step, read)
 
     W0 = state.params[0]["w"]
-    for a, b in zip(jax.jit(ours)(ctx, W0), jax.jit(theirs)(ctx, W0), strict=True):
+    weights = functional_weights(*jax.eval_shape(theirs, ctx, W0))
+
+    @jax.jit  # one program for both sides, values and gradients: compiling dominates here
+    def values_and_gradients(ctx, W0):
+        results = []
+        for f in (ours, theirs):
+            out, pullback = jax.vjp(f, ctx, W0)
+            results.append((out, pullback(weights)))
+        return results
+
+    (values, grads), (ref_values, ref_grads) = values_and_gradients(ctx, W0)
+    for a, b in zip(values, ref_values, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-    grads = [
-        jax.jit(jax.grad(lambda c, w, f=f: functional(*f(c, w)), argnums=(0, 1)))(ctx, W0)
-        for f in (ours, theirs)
-    ]
-    chex.assert_trees_all_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-9, atol=1e-11)
 
 
 def test_hebbian_is_one_step_of_lr_one_on_the_dot_objective():
@@ -189,11 +198,17 @@ def test_streaming_two_calls_equal_one(every):
     )
     ctx = make_context(16, gates=gate_names)
     state = initial(level)
-    o, final = inner.run(level, state, ctx, path="generic")
-    first = jax.tree.map(lambda x: x[:, :8], ctx)
-    second = jax.tree.map(lambda x: x[:, 8:], ctx)
-    o1, mid = inner.run(level, state, first, path="generic")
-    o2, end = inner.run(level, mid, second, path="generic")
+
+    @jax.jit  # one program (eagerly, every op compiles on its own: slower)
+    def whole_and_split(state, ctx):
+        o, final = inner.run(level, state, ctx, path="generic")
+        first = jax.tree.map(lambda x: x[:, :8], ctx)
+        second = jax.tree.map(lambda x: x[:, 8:], ctx)
+        o1, mid = inner.run(level, state, first, path="generic")
+        o2, end = inner.run(level, mid, second, path="generic")
+        return o, final, o1, o2, end
+
+    o, final, o1, o2, end = whole_and_split(state, ctx)
     np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-12)
     chex.assert_trees_all_close(end, final, rtol=1e-12)
 
@@ -213,14 +228,15 @@ def test_truncation_keeps_values_and_cuts_gradients():
         o, _ = inner.run(level, state, ctx._replace(k=k), path="generic")
         return jnp.sum(o[:, -1] ** 2)  # the last token only
 
-    np.testing.assert_allclose(
-        inner.run(cut, state, ctx, path="generic")[0],
-        inner.run(full, state, ctx, path="generic")[0],
-    )
-    g_full, g_cut = (
-        jax.grad(lambda k: loss(full, k))(ctx.k),
-        jax.grad(lambda k: loss(cut, k))(ctx.k),
-    )
+    @jax.jit  # one program (eagerly, every op compiles on its own: slower)
+    def outputs_and_gradients(ctx):
+        outputs = [inner.run(level, state, ctx, path="generic")[0] for level in (cut, full)]
+        return outputs, [
+            jax.grad(lambda k, level=level: loss(level, k))(ctx.k) for level in (full, cut)
+        ]
+
+    (o_cut, o_full), (g_full, g_cut) = outputs_and_gradients(ctx)
+    np.testing.assert_allclose(o_cut, o_full)
     # The last window (tokens 8..11) keeps its gradient, earlier keys lose it.
     np.testing.assert_allclose(g_cut[:, 8:], g_full[:, 8:], rtol=1e-10)
     assert jnp.all(g_cut[:, :8] == 0) and jnp.any(g_full[:, :8] != 0)

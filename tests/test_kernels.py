@@ -61,26 +61,28 @@ def compare(level, T, path="kernel", rtol=1e-8, gradients=True):
     ctx = context(level, T)
     W0, state = start_state(level)
 
-    def run(path):
+    def outputs_and_gradient(path, ctx, W0, state):
         def f(ctx, W0):
             o, final = inner.run(level, state.replace(params=W0), ctx, path=path)
             return o, (final.params, final.opt_state, final.cache)
 
-        return f
+        if not gradients:
+            return f(ctx, W0), None
 
-    fast, generic = run(path), run("generic")
-    chex.assert_trees_all_close(fast(ctx, W0), generic(ctx, W0), rtol=rtol, atol=1e-11)
-    if not gradients:
-        return
-
-    def gradient(f):
         def loss(ctx, W0):
             o, final = f(ctx, W0)
-            return jnp.sum(jnp.sin(o)) + sum(jnp.sum(x**2) for x in jax.tree.leaves(final))
+            value = jnp.sum(jnp.sin(o)) + sum(jnp.sum(x**2) for x in jax.tree.leaves(final))
+            return value, (o, final)
 
-        return jax.grad(loss, argnums=(0, 1))(ctx, W0)
+        grads, outputs = jax.grad(loss, argnums=(0, 1), has_aux=True)(ctx, W0)
+        return outputs, grads
 
-    chex.assert_trees_all_close(gradient(fast), gradient(generic), rtol=rtol * 10, atol=1e-10)
+    # One program for both paths, values and gradients: compiling dominates these tests.
+    both = jax.jit(lambda *a: [outputs_and_gradient(p, *a) for p in (path, "generic")])
+    (fast, fast_grads), (generic, generic_grads) = both(ctx, W0, state)
+    chex.assert_trees_all_close(fast, generic, rtol=rtol, atol=1e-11)
+    if gradients:
+        chex.assert_trees_all_close(fast_grads, generic_grads, rtol=rtol * 10, atol=1e-10)
 
 
 EXAMPLES = [
@@ -157,9 +159,11 @@ def test_any_rule_swapped_into_a_recipe_gives_the_generic_values(rule, update):
     level = dataclasses.replace(nl.recipes.RULES[rule](d_k=3, d_v=3), update=update)
     ctx = context(level, 7)
     _, state = start_state(level)
-    chex.assert_trees_all_close(
-        inner.run(level, state, ctx), inner.run(level, state, ctx, path="generic"), rtol=1e-8
-    )
+    # one program for both paths (eagerly, every op compiles on its own: slower)
+    chosen, generic = jax.jit(
+        lambda state, ctx: [inner.run(level, state, ctx, path=p) for p in ("auto", "generic")]
+    )(state, ctx)
+    chex.assert_trees_all_close(chosen, generic, rtol=1e-8)
 
 
 STREAMED = [
@@ -177,10 +181,16 @@ def test_a_stream_split_across_calls_equals_one_call(rule, kwargs, path):
     level = nl.recipes.RULES[rule](d_k=3, d_v=3, **kwargs)
     ctx = context(level, 10)
     _, state = start_state(level)
-    whole, final = inner.run(level, state, ctx, path=path)
-    part = lambda a, b: jax.tree.map(lambda x: x[:, a:b], ctx)
-    first, middle = inner.run(level, state, part(0, 4), path=path)
-    second, end = inner.run(level, middle, part(4, 10), path=path)
+
+    @jax.jit  # one program (eagerly, every op compiles on its own: slower)
+    def whole_and_split(state, ctx):
+        whole, final = inner.run(level, state, ctx, path=path)
+        part = lambda a, b: jax.tree.map(lambda x: x[:, a:b], ctx)
+        first, middle = inner.run(level, state, part(0, 4), path=path)
+        second, end = inner.run(level, middle, part(4, 10), path=path)
+        return whole, final, first, second, end
+
+    whole, final, first, second, end = whole_and_split(state, ctx)
     np.testing.assert_allclose(jnp.concatenate([first, second], 1), whole, rtol=1e-9)
     chex.assert_trees_all_close(end, final, rtol=1e-9, atol=1e-12)
     if state.cache is not None:  # the stream's last c - 1 samples

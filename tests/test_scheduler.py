@@ -73,9 +73,10 @@ def test_streaming_one_sequence_in_two_calls_equals_one_call(every):
     prog = program(nl.recipes.delta(d_k=4, d_v=4, every=every))
     state = prog.init(jax.random.key(0))
     x = tokens(2, 12)
-    whole, final = prog.apply(state.params, x)
-    first, mid = prog.apply(state.params, x[:, :8])
-    second, end = prog.apply(state.params, x[:, 8:], mid)
+    apply = jax.jit(prog.apply)  # (eagerly, every op compiles on its own: slower)
+    whole, final = apply(state.params, x)
+    first, mid = apply(state.params, x[:, :8])
+    second, end = apply(state.params, x[:, 8:], mid)
     np.testing.assert_allclose(jnp.concatenate([first, second], 1), whole, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(end, final, rtol=1e-5, atol=1e-6)
 
@@ -100,7 +101,9 @@ def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
 
 
 def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
-    """A delta-rule LM learns in-context key -> value recall (MQAR, 4 pairs, vocab 64)."""
+    """A delta-rule LM learns in-context key -> value recall (MQAR, 4 pairs, vocab 64).
+    (At lr 1e-2 it passes 0.85 query accuracy by step 200 for init seeds 0-3; at 3e-3 it took
+    450 steps.)"""
     vocab = 64
     task = MQARTask(vocab_size=vocab, train_settings=((32, 4),), test_settings=((32, 4),))
     prog = program(
@@ -108,7 +111,7 @@ def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
         dim=32,
         heads=2,
         layers=2,
-        lr=3e-3,
+        lr=1e-2,
         mlp_ratio=0,
         vocab=vocab,
     )
@@ -116,12 +119,12 @@ def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
     step, evaluate = jax.jit(prog.train_step), jax.jit(prog.eval_step)
     test = task.batch(0, 256, split=task.eval_splits[0])
     before = evaluate(state, test)["accuracy"]
-    for i in range(450):
+    for i in range(200):
         state, _ = step(state, task.batch(i, 32))
     after = evaluate(state, test)["accuracy"]
     chance = 1 / (vocab // 2)
     assert before < 3 * chance
-    assert after > 0.75, f"query accuracy {after:.3f} after 450 steps (chance {chance:.3f})"
+    assert after > 0.75, f"query accuracy {after:.3f} after 200 steps (chance {chance:.3f})"
 
 
 def test_a_batch_of_the_data_tasks_goes_in_as_it_is():
