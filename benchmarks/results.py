@@ -9,7 +9,11 @@ workdir's ``metrics.jsonl``. Rows:
   ``nested.recipes.RULES`` at two model widths (``--widths``), and the Hope variant;
 * bits per character on held-out files for the character-LM configs;
 * needle-in-a-haystack accuracy by context length;
-* the continual stream: accuracy from the context and from memory, and forgetting.
+* the continual stream: accuracy from the context and from memory, and forgetting;
+* functional plasticity: rows trained, then measured by ``experiments/plasticity.py`` (its
+  ``plasticity.json``): the continual-learning matrix, forgetting and regret utility of three
+  models of equal slow-parameter count on agents of the continual stream, and the alignment
+  of TTT-style levels at initialisation and after training.
 
 A row that fails shows its error; nothing is dropped. A finished row is not rerun unless
 ``--rerun`` (its workdir keeps ``row.json``: command, wall time, exit status), so an
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import report
 from absl import app, flags
 
@@ -47,16 +52,25 @@ flags.DEFINE_list("widths", ["64", "128"], "MQAR model widths (model.dim).")
 flags.DEFINE_boolean("rerun", False, "Rerun rows that already have a result.")
 flags.DEFINE_boolean("dry_run", False, "Print the commands, run nothing.")
 flags.DEFINE_integer("timeout", 3600, "Seconds before a row is stopped (and reported failed).")
+flags.DEFINE_list(
+    "sections",
+    None,
+    "Rewrite only these sections of --out (plasticity, companion), keeping the rest of the page.",
+)
+SECTIONS = {"plasticity": "Functional plasticity", "companion": "Agent companion"}
 
 
 class Row(NamedTuple):
     """One run: ``id`` (also its workdir under ``--workdir``), the config spec, the overrides
-    (``key -> value``, passed as ``--config.key=value``), and why they are there."""
+    (``key -> value``, passed as ``--config.key=value``), and why they are there;
+    ``after``: a script and its flags run on the trained workdir after training
+    (``experiments/plasticity.py``, ``experiments/companion_study.py``; None: none)."""
 
     id: str
     config: str
     overrides: tuple[tuple[str, object], ...] = ()
     note: str = ""
+    after: tuple[str, ...] | None = None
 
 
 # Rows whose defaults do not fit a few minutes of two shared CPU cores, and why.
@@ -133,7 +147,22 @@ def rows(widths: Sequence[int]) -> list[Row]:
         out.append(Row(f"char_lm/{row_id}", f"configs/char_lm.py:{variant}", overrides, note))
     out.append(Row("niah/delta", "configs/niah.py:delta"))
     out.append(Row("continual/delta", "configs/continual.py:delta"))
+    for variant in PLASTICITY_MODELS:
+        config = f"configs/continual.py:{variant}"
+        out.append(Row(f"plasticity/{variant}", config, after=(PLASTICITY, *PLASTICITY_FLAGS)))
+    for rule in ALIGNMENT_RULES:
+        config = f"configs/mqar.py:{rule}"
+        out.append(Row(f"plasticity/{rule}", config, after=(PLASTICITY, "--protocols=alignment")))
+    out.append(Row("companion/delta", "configs/companion.py", after=(COMPANION_STUDY,)))
     return out
+
+
+# The functional-plasticity comparison (configs/continual.py: equal slow-parameter count) and
+# its deployment: phases of 4 sessions of 2 sequences per task, regret sessions of 2.
+PLASTICITY, COMPANION_STUDY = "experiments/plasticity.py", "experiments/companion_study.py"
+PLASTICITY_MODELS = ("one_level", "two_level", "hope")
+PLASTICITY_FLAGS = ("--sessions=4", "--session_length=2", "--cycles=3")
+ALIGNMENT_RULES = ("ttt_linear", "ttt_mlp")  # TTT-style levels, at initialisation and trained
 
 
 def command(row: Row, workdir: Path) -> list[str]:
@@ -147,16 +176,17 @@ def command(row: Row, workdir: Path) -> list[str]:
     ]
 
 
-def run_row(row: Row, workdir: Path, timeout: int) -> dict:
-    """Train ``row`` in a fresh ``workdir`` (relative to the repository, as in the command);
-    writes ``row.json``: command, wall time, exit status."""
-    argv = command(row, workdir)
-    workdir = ROOT / workdir
-    if workdir.exists():  # a fresh run: the table's numbers come from one uninterrupted run
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+def after_command(row: Row, workdir: Path) -> list[str]:
+    script, *flags_ = row.after
+    return ["python", script, f"--workdir={workdir}", *flags_]
+
+
+def _run(argv: list[str], workdir: Path, name: str, timeout: int) -> dict:
+    """Run ``argv`` (``python ...``) from the repository, its output in ``workdir/<name>.*``:
+    ``{"command", "wall_s", "status", "error"}``."""
     start = time.perf_counter()
-    with open(workdir / "stdout.txt", "w") as out, open(workdir / "stderr.txt", "w") as err:
+    out_path, err_path = workdir / f"{name}.stdout.txt", workdir / f"{name}.stderr.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
         try:
             status = subprocess.run(
                 [sys.executable, *argv[1:]], cwd=ROOT, stdout=out, stderr=err, timeout=timeout
@@ -166,12 +196,26 @@ def run_row(row: Row, workdir: Path, timeout: int) -> dict:
     wall = time.perf_counter() - start
     error = None
     if status != 0:
-        lines = (workdir / "stderr.txt").read_text().strip().splitlines()
+        lines = err_path.read_text().strip().splitlines()
         errors = [line for line in lines if line.startswith("error:")]
         error = (errors or lines or [f"exit status {status}"])[-1][:300]
         if status == "timeout":
             error = f"stopped after {timeout} s"
-    record = {"command": " ".join(argv), "wall_s": wall, "status": status, "error": error}
+    return {"command": " ".join(argv), "wall_s": wall, "status": status, "error": error}
+
+
+def run_row(row: Row, workdir: Path, timeout: int) -> dict:
+    """Train ``row`` in a fresh ``workdir`` (relative to the repository, as in the command),
+    then run its ``after`` script if it has one; writes ``row.json``: command, wall time,
+    exit status (and ``after``: the same of that script)."""
+    relative = workdir
+    workdir = ROOT / workdir
+    if workdir.exists():  # a fresh run: the table's numbers come from one uninterrupted run
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    record = _run(command(row, relative), workdir, "train", timeout)
+    if row.after is not None and record["status"] == 0:
+        record["after"] = _run(after_command(row, relative), workdir, "after", timeout)
     (workdir / ROW_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -322,6 +366,192 @@ def continual_table(results, workdir: Path) -> list[str]:
     return lines + [""] + commands
 
 
+def _plasticity(results, workdir: Path) -> dict[str, tuple[dict, dict | None]]:
+    """``{row id: (row record, plasticity.json or None)}`` of the plasticity rows."""
+    out = {}
+    for row_id, (record, _) in results.items():
+        if row_id.startswith("plasticity/"):
+            path = workdir / row_id / "plasticity.json"
+            out[row_id] = (record, json.loads(path.read_text()) if path.exists() else None)
+    return out
+
+
+def _failed(record: dict, result: dict | None) -> str | None:
+    if result is not None:
+        return None
+    measured = record.get("after") or {}
+    return f"**failed**: {measured.get('error') or record['error'] or 'no plasticity.json'}"
+
+
+def _ci(figures: dict, mask) -> str:
+    """Mean utility over the ``mask``ed (A, B) pairs, with the mean of their interval ends."""
+    mean = lambda key: float(np.mean(np.array(figures[key], dtype=float)[mask]))
+    return f"{mean('utility'):.2f} [{mean('low'):.2f}, {mean('high'):.2f}]"
+
+
+def _commands(record: dict) -> str:
+    measured = record.get("after", {})
+    return f"`{record['command']}`; `{measured.get('command', '')}`"
+
+
+def plasticity_tables(results, workdir: Path) -> list[str]:
+    rows = _plasticity(results, workdir)
+    models = {k: v for k, v in rows.items() if k.split("/")[1] in PLASTICITY_MODELS}
+    metric = "memory_accuracy"
+    head = ["model", "ACC", "BWT", "FWT", "forgetting (max)", "forgetting (first-last)", "LCA"]
+    head += ["U fast, same task", "U fast, other tasks", "U slow, same task", "U slow, other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    matrices = []
+    for row_id, (record, result) in models.items():
+        name = row_id.removeprefix("plasticity/")
+        failed = _failed(record, result)
+        if failed:
+            lines.append(f"| {name} | {failed} |" + " |" * (len(head) - 2))
+            continue
+        summary = result["transfer"]["summary"][metric]
+        keys = ("average_accuracy", "backward_transfer", "forward_transfer", "forgetting_max")
+        keys += ("forgetting_first_last", "learning_curve_area")
+        cells = [_pct(summary.get(k)) for k in keys]
+        for kind in ("fast", "slow"):
+            figures = result["regret"][kind]
+            same = np.eye(len(figures["utility"]), dtype=bool)
+            cells += [_ci(figures, same), _ci(figures, ~same)]
+        lines.append("| " + " | ".join([name, *cells]) + " |")
+        R = np.array(result["transfer"]["R"][metric], dtype=float)
+        b = np.array(result["transfer"]["b"][metric], dtype=float)
+        matrices.append(
+            f"* {name}: before any phase {_row(b)}; "
+            + "; ".join(
+                f"after task {t} {_row(r)}"
+                for t, r in zip(result["transfer"]["tasks"], R, strict=True)
+            )
+        )
+    commands = [f"* {k.removeprefix('plasticity/')}: {_commands(v[0])}" for k, v in models.items()]
+    return lines + ["", "R (from-memory accuracy on tasks 0..3, %):", "", *matrices, "", *commands]
+
+
+def _row(values) -> str:
+    return "[" + ", ".join(f"{100 * v:.1f}" for v in values) + "]"
+
+
+def alignment_table(results, workdir: Path) -> list[str]:
+    rows = _plasticity(results, workdir)
+    head = ["level", "form", "cos(grad J, g) trained", "initial", "conflict rate trained"]
+    head += ["initial", "total update trained", "initial", "command"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row_id, (record, result) in rows.items():
+        name = row_id.removeprefix("plasticity/")
+        if name not in ALIGNMENT_RULES:
+            continue
+        failed = _failed(record, result) or (result["alignment"].get("error") and "**failed**")
+        if failed:
+            lines.append(f"| {name} | {failed} |" + " |" * (len(head) - 2))
+            continue
+        for form in ("through_scan", "one_step"):
+            trained = result["alignment"]["trained"][form]["levels"]["memory"]
+            initial = result["alignment"]["initial"][form]["levels"]["memory"]
+            cells = [
+                f"{trained['cos_local']:.4f}",
+                f"{initial['cos_local']:.4f}",
+                f"{trained['conflict_local']:.2f}",
+                f"{initial['conflict_local']:.2f}",
+                f"{trained['total_update']:.3g}",
+                f"{initial['total_update']:.3g}",
+            ]
+            lines.append("| " + " | ".join([name, form, *cells, _commands(record)]) + " |")
+    return lines
+
+
+def plasticity_section(results, workdir: Path) -> list[str]:
+    """The "Functional plasticity" section's lines."""
+    return [
+        "## Functional plasticity",
+        "",
+        "Each model trained, then deployed on held-out agents by `experiments/plasticity.py` "
+        "(slow weights frozen, every batch row one agent, the fast state carried from session "
+        "to session; `nested.plasticity`). Models of `configs/continual.py` with equal "
+        "slow-parameter count (81k; Hope 81.3k), trained on agents (a new agent every 32 "
+        "batches, its four tasks switching every 8, half the keys remapped at each switch). "
+        "Continual-learning metrics on from-memory accuracy (%), tasks 0..3 in turn, each "
+        "phase 4 sessions of 2 sequences: ACC, BWT, FWT (GEM), forgetting (max-based, "
+        "Chaudhry et al. 2018; first minus last), LCA (A-GEM, over the phase's sessions). "
+        "Regret utility U(A, B): the drop of the summed online loss (nats per scored token, "
+        "summed over a session's 2 sequences) of a session on task B after a session on A "
+        "(fast) or 5 Adam steps on A (slow), mean over pairs with the mean 95% bootstrap "
+        "interval over agents.",
+        "",
+        *plasticity_tables(results, workdir),
+        "",
+        "Alignment of a TTT-style level's updates with the outer loss of the rest of the "
+        "sequence (`configs/mqar.py`, held-out batch of 16 rows): mean cosine of `grad J` with "
+        "the local gradient `g`, fraction of updates with `<grad J, g> < 0`, and the first-order "
+        "gain of scaling all of the level's updates up (`total_update`), for the trained "
+        "weights and the initial weights of the same config.",
+        "",
+        *alignment_table(results, workdir),
+        "",
+    ]
+
+
+def companion_section(results, workdir: Path) -> list[str]:
+    """The "Agent companion" section's lines (``companion_study.json`` of the companion rows)."""
+    out = [
+        "## Agent companion",
+        "",
+        "`configs/companion.py` trained on training agents, then `experiments/companion_study.py`"
+        " on held-out agents (another seed): each method sees the same events session by "
+        "session and answers the same queries after each session (`nested.companion.study`). "
+        "Retrieval memories encode inputs with the trained model's token embeddings; `knn` "
+        "keeps as many (input, answer) pairs as the companion's fast state has bytes. "
+        "Accuracy (%) on novel queries (inputs the agent never showed) after each session, "
+        "mean and 95% bootstrap interval over agents; the rule drifts at the session marked "
+        "*; rare facts are rule-breaking answers shown once at the start; stale: queries "
+        "whose answer the drift changed, answered the old way; regret: errors on the events, "
+        "each predicted before it is observed, summed over the sessions.",
+        "",
+    ]
+    for row_id, (record, _) in results.items():
+        if not row_id.startswith("companion/"):
+            continue
+        path = workdir / row_id / "companion_study.json"
+        result = json.loads(path.read_text()) if path.exists() else None
+        failed = _failed(record, result)
+        if failed:
+            out += [f"{row_id}: {failed}", ""]
+            continue
+        drift = result["task"]["drift_session"]
+        sessions = len(next(iter(result["sessions"].values()))["novel"]["mean"])
+        head = ["method"] + [f"{s + 1}{'*' if s == drift else ''}" for s in range(sessions)]
+        head += ["facts (end)", "stale (end)", "recovers in", "regret"]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method, rows in result["sessions"].items():
+            novel = rows["novel"]
+            cells = [
+                f"{100 * m:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+                for m, lo, hi in zip(novel["mean"], novel["low"], novel["high"], strict=True)
+            ]
+            recover = result["summary"][method]["recover"].get("sessions")
+            cells += [
+                f"{100 * rows['facts']['mean'][-1]:.1f}",
+                f"{100 * rows['stale']['mean'][-1]:.1f}",
+                "—" if recover is None else f"{recover} session(s)",
+                f"{rows['regret']['mean'][-1]:.1f}",
+            ]
+            out.append("| " + " | ".join([method, *cells]) + " |")
+        size, latency = result["bytes"], result["latency"]
+        out += [
+            "",
+            f"Bytes per agent: {size['companion']} (the companion's fast state; `knn` keeps "
+            f"{size['knn_capacity']} pairs in as many). Latency of the service's calls at "
+            f"{latency['agents']} agents at once (in process, median): observe "
+            f"{1e3 * latency['observe_s']:.0f} ms, recall {1e3 * latency['recall_s']:.0f} ms.",
+            "",
+            f"* {_commands(record)}",
+            "",
+        ]
+    return out
+
+
 def markdown(results, workdir: Path, row_notes: dict[str, str], observations: str = "") -> str:
     """The results page; ``observations`` (a hand-written ``## Observations`` section, kept
     from the previous page) goes after the introduction."""
@@ -382,6 +612,8 @@ def markdown(results, workdir: Path, row_notes: dict[str, str], observations: st
         "",
         *continual_table(results, workdir),
         "",
+        *plasticity_section(results, workdir),
+        *companion_section(results, workdir),
     ]
     return "\n".join(out)
 
@@ -415,6 +647,20 @@ def main(argv):
             results[row.id] = (record, records)
     out = ROOT / FLAGS.out
     previous = out.read_text() if out.exists() else ""
+    if FLAGS.sections:
+        text = previous
+        for name in FLAGS.sections:
+            build = {"plasticity": plasticity_section, "companion": companion_section}[name]
+            section = "\n".join(build(results, base)).strip() + "\n\n"
+            title = re.escape(SECTIONS[name])
+            pattern = re.compile(rf"^## {title}\n.*?(?=^## |\Z)", re.M | re.S)
+            if pattern.search(text):
+                text = pattern.sub(lambda _: section, text)
+            else:
+                text = text.rstrip() + "\n\n" + section
+        out.write_text(text.rstrip() + "\n")
+        print(f"wrote the sections {FLAGS.sections} of {out}")
+        return
     observations = re.search(r"^## Observations\n.*?(?=^## |\Z)", previous, re.M | re.S)
     text = markdown(
         results,

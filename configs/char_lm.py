@@ -92,4 +92,5 @@ def get_config(arg=None):
         eval_batch_size=16,
         checkpoint_every=500,
     )
+    config.plasticity = nc.plasticity_config()  # plasticity.every=N: alignment in training
     return config

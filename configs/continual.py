@@ -11,26 +11,70 @@ into ``in_context_accuracy`` and ``memory_accuracy``.
 ``python experiments/eval.py --workdir runs/continual --save_memory runs/continual/memory``
 then continues the memory in a later session (``--load_memory``).
 
-Variants: ``configs/continual.py:<rule>`` for any rule of ``nested.recipes.RULES``.
+Variants: ``configs/continual.py:<rule>`` for any rule of ``nested.recipes.RULES``; and three
+models of equal slow-parameter count for the functional-plasticity comparison (RESULTS.md,
+"Functional plasticity"; ``experiments/plasticity.py`` measures them), trained on agents:
+every row gets a new agent every 32 batches (``task.agent_every``: its fast state restarts),
+whose four tasks switch every 8 batches with half the keys remapped, so the slow weights learn
+how to learn an agent rather than the agents' mappings:
+
+* ``one_level``: the DeltaNet memory carried across sequences, then a SwiGLU MLP (width 2x);
+* ``two_level``: a fast in-context DeltaNet memory that restarts at every sequence, then a
+  slow persistent level: a CMS block (an MLP of width 192, the same parameter count as the
+  SwiGLU MLP) learning from the loss every 16 tokens and carried across sequences;
+* ``hope``: Hope: a self-modifying DeltaNet memory (its projections fast memories updated
+  every 8 tokens, restarting at every sequence) and two persistent CMS blocks (width 96,
+  periods 16 and 48, a sequence).
 """
 
 from ml_collections import config_dict
 
 from nested.run import config as nc
 
+# The plasticity comparison (module docstring): every row a new agent every 32 batches, whose
+# four tasks switch every 8 batches, half the keys remapped at each switch; 16 pairs in each
+# sequence (with 8, a DeltaNet did not start recalling within 1200 steps), 3000 steps.
+AGENTS = dict(agent_every=32, switch_every=8, remap_fraction=0.5, num_pairs=16)
+TRAIN = dict(steps=3000)
+VARIANTS = {
+    "one_level": dict(
+        task=AGENTS, train=TRAIN, model=dict(mlp_ratio=2), levels={"memory": dict(rule="delta")}
+    ),
+    "two_level": dict(
+        task=AGENTS,
+        train=TRAIN,
+        model=dict(cms=("slow",)),
+        levels={
+            "memory": dict(rule="delta", persist="sequence"),
+            "slow": dict(rule="cms", every=16, hidden=192),
+        },
+    ),
+    "hope": dict(
+        task=AGENTS,
+        train=TRAIN,
+        model=dict(mixer="self_modifying", projections="projections", cms=("cms1", "cms2")),
+        levels={
+            "memory": dict(rule="delta", owner="projections", persist="sequence"),
+            "projections": dict(rule="projections", every=8, persist="sequence"),
+            "cms1": dict(rule="cms", every=16, hidden=96),
+            "cms2": dict(rule="cms", every=48, hidden=96),
+        },
+    ),
+}
+
 
 def get_config(arg=None):
-    rule = nc.variant(arg)
+    rule = nc.variant(arg, others=VARIANTS)
+    spec = VARIANTS.get(rule, dict(levels={"memory": dict(rule=rule)}))
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config(
         "continual",
         vocab_size=256,
         num_keys=32,
-        num_pairs=8,
         num_queries=8,
         num_tasks=4,
-        switch_every=300,
+        **{"num_pairs": 8, "switch_every": 300, **spec.get("task", {})},
     )
     config.model = nc.model_config(
         "memory_lm",
@@ -38,19 +82,28 @@ def get_config(arg=None):
         dim=64,
         heads=2,
         layers=1,
-        mlp_ratio=0,
+        **{"mlp_ratio": 0, **spec.get("model", {})},
     )
-    config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule, persist="stream")})
+    config.levels = config_dict.ConfigDict(
+        {
+            name: nc.level_config(**{"persist": "stream", **fields})
+            for name, fields in spec["levels"].items()
+        }
+    )
     config.optimizer = nc.optimizer_config(
         "adamw", learning_rate=3e-3, weight_decay=0.1, b2=0.98, warmup_steps=50
     )
     config.train = nc.train_config(
-        steps=1200,
-        batch_size=32,
-        log_every=25,
-        eval_every=75,
-        eval_batches=2,
-        eval_batch_size=32,
-        checkpoint_every=75,
+        **{
+            "steps": 1200,
+            "batch_size": 32,
+            "log_every": 25,
+            "eval_every": 75,
+            "eval_batches": 2,
+            "eval_batch_size": 32,
+            "checkpoint_every": 75,
+            **spec.get("train", {}),
+        }
     )
+    config.plasticity = nc.plasticity_config()  # plasticity.every=N: alignment in training
     return config

@@ -75,4 +75,5 @@ def get_config(arg=None):
         eval_batch_size=128,
         checkpoint_every=100,
     )
+    config.plasticity = nc.plasticity_config()  # plasticity.every=N: alignment in training
     return config

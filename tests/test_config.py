@@ -32,7 +32,10 @@ def test_every_config_file_builds_and_its_docstring_is_the_command(name):
     )
 
 
-@pytest.mark.parametrize(("name", "others"), [("mqar", ["hope"]), ("niah", []), ("continual", [])])
+@pytest.mark.parametrize(
+    ("name", "others"),
+    [("mqar", ["hope"]), ("niah", []), ("continual", ["hope", "one_level", "two_level"])],
+)
 def test_unknown_variant_names_the_registered_rules(name, others):
     with pytest.raises(nc.ConfigError) as info:
         nc.load(f"{tiny_configs.path(name)}:detla")
@@ -238,7 +241,7 @@ def test_typo_in_a_key():
     config.trian = config_dict.ConfigDict()
     assert _error(config) == (
         "config.trian is not a section; allowed: "
-        "['seed', 'task', 'model', 'levels', 'optimizer', 'train']"
+        "['seed', 'task', 'model', 'levels', 'optimizer', 'train', 'plasticity']"
     )
 
 

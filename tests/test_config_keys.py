@@ -83,7 +83,7 @@ def test_the_command_prints_every_key_of_a_config_with_its_value(spec, capsys):
     printed = {line.split()[0]: line for line in lines}
     flat = config.to_dict()
     keys = []
-    for section in ("task", "model", "optimizer", "train"):
+    for section in ("task", "model", "optimizer", "train", "plasticity"):
         keys += [f"{section}.{k}" for k in flat[section] if k != "mesh"]
     keys += [f"train.mesh.{k}" for k in flat["train"]["mesh"]]
     keys += [f"levels.{n}.{k}" for n, level in flat["levels"].items() for k in level]

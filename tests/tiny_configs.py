@@ -45,6 +45,17 @@ TINY = {
         "model.heads": 2,
         **_TRAIN,
     },
+    "companion": {
+        "task.num_features": 8,
+        "task.num_labels": 4,
+        "task.events": 4,
+        "task.sessions": 2,
+        "task.session_length": 2,
+        "task.drift_session": 1,
+        "model.dim": 16,
+        "model.heads": 2,
+        **_TRAIN,
+    },
 }
 
 

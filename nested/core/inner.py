@@ -24,17 +24,22 @@ the state does not change).
 ``run`` uses a kernel of :mod:`nested.ops.kernels` instead when one implements the level as
 declared (``path="auto"``); ``path="generic"`` always runs the loop above, and
 ``path="kernel"`` demands a kernel, raising an error that says why none implements the level.
+While a probe of :mod:`nested.core.probes` selects the level, the probe runs it instead
+(measurements such as :mod:`nested.plasticity.alignment`: the generic loop with an
+:class:`UpdateHook` at the end of each update period).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from nested.core import probes
 from nested.core.level import Level, LevelState
 from nested.ops import kernels
 
@@ -133,11 +138,16 @@ def run(level: Level, state: LevelState, ctx: Context, *, path: str = "auto"):
 
     ``path``: ``"auto"`` (a kernel implementing the declaration, else the generic loop),
     ``"kernel"`` (a kernel or an error) or ``"generic"``. The final state keeps the dtypes of
-    ``state`` (the context may compute in another one).
+    ``state`` (the context may compute in another one). A probe selecting the level
+    (:func:`nested.core.probes.active`) runs it instead, whatever ``path``.
     """
     kernel = kernel_for(level, path)
     check_context(level, ctx)
-    o, new = (run_generic if kernel is None else kernel.run)(level, state, ctx)
+    probe = probes.active(level)
+    if probe is not None:
+        o, new = probe.run(level, state, ctx)
+    else:
+        o, new = (run_generic if kernel is None else kernel.run)(level, state, ctx)
     return o, jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
 
 
@@ -163,7 +173,8 @@ def run_turns(level: Level, state: LevelState, ctx: Context, turn: int):
         )
 
         def step(state, turn_ctx):
-            return run(level, state, turn_ctx)[1], read(level, state.params, turn_ctx.q)
+            with probes.repeated("MemT turns (a scan over turns)"):
+                return run(level, state, turn_ctx)[1], read(level, state.params, turn_ctx.q)
 
         state, o = jax.lax.scan(step, state, turns)
         outputs.append(jnp.moveaxis(o, 0, 1).reshape(ctx.k.shape[0], full, *o.shape[3:]))
@@ -210,11 +221,34 @@ def rule_step(level: Level, params: Any, opt_state: Any, grad: Any, item: dict):
     return optax.apply_updates(params, updates), opt_state
 
 
-def _chunk_step(level: Level, carry, chunk):
-    """One update chunk of ``every`` tokens for one memory."""
+class UpdateHook(NamedTuple):
+    """A function applied at the end of every update period of the generic loop.
+
+    ``fn(start, end, local_grad, x) -> (end, stats)`` for one memory: ``start`` and ``end``
+    are its parameters at the period's start and end, ``local_grad`` the gradient of the
+    level's objective summed over the period's tokens (each taken at ``start``, as the rule
+    takes it), ``x`` this update's slice of ``inputs``; it returns the parameters the next
+    period starts from and a pytree of per-update statistics. ``inputs``: a pytree of arrays
+    ``(B, H, U)``, ``U = ceil(T / every)``, one value per memory and update. With
+    ``fixed_gradients`` every gradient of the objective is taken at ``stop_gradient`` of the
+    state, so a change of the state reaches later tokens through the reads and the rule's
+    linear carry (retention), not through the later updates.
+    """
+
+    fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]]
+    inputs: Any
+    fixed_gradients: bool = False
+
+
+def _chunk_step(level: Level, hook: UpdateHook | None, carry, chunk):
+    """One update chunk of ``every`` tokens for one memory; returns the reads (and the hook's
+    statistics, with a hook)."""
     params_start, _ = carry
-    items, mask = chunk
-    grads = jax.vmap(lambda item: objective_grad(level, params_start, item))(items)
+    items, mask, x = chunk
+    at = params_start
+    if hook is not None and hook.fixed_gradients:
+        at = jax.lax.stop_gradient(at)
+    grads = jax.vmap(lambda item: objective_grad(level, at, item))(items)
 
     def token(carry, inputs):
         grad, item, valid = inputs
@@ -223,11 +257,17 @@ def _chunk_step(level: Level, carry, chunk):
         read_params = params if level.read == "after_write" else params_start
         return (params, opt_state), level.memory.apply(read_params, item["q"])
 
-    return jax.lax.scan(token, carry, (grads, items, mask))
+    (params, opt_state), o = jax.lax.scan(token, carry, (grads, items, mask))
+    if hook is None:
+        return (params, opt_state), o
+    local = jax.tree.map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1), grads)
+    params, stats = hook.fn(params_start, params, local, x)
+    return (params, opt_state), (o, stats)
 
 
-def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block: int):
-    """The generic inner loop for one memory: ``items`` leaves are ``(T_padded, ...)``."""
+def _run_one(level, params, opt_state, items, mask, n_blocks: int, block: int, hook, x):
+    """The generic inner loop for one memory: ``items`` leaves are ``(T_padded, ...)``, the
+    hook's inputs ``x`` leaves ``(T_padded / every,)``."""
     every = level.every
     per_block = block // every
 
@@ -235,10 +275,11 @@ def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block:
         return x.reshape(n_blocks, per_block, every, *x.shape[1:])
 
     blocks = jax.tree.map(reshape, (items, mask))
+    blocks = (*blocks, jax.tree.map(lambda a: a.reshape(n_blocks, per_block), x))
 
     @jax.checkpoint
     def block_step(carry, block_inputs):
-        return jax.lax.scan(lambda c, x: _chunk_step(level, c, x), carry, block_inputs)
+        return jax.lax.scan(lambda c, x: _chunk_step(level, hook, c, x), carry, block_inputs)
 
     cut_every = None if level.truncate is None else level.truncate // block
 
@@ -249,10 +290,12 @@ def _run_one(level: Level, params, opt_state, items, mask, n_blocks: int, block:
             carry = jax.tree.map(lambda x: jnp.where(cut, jax.lax.stop_gradient(x), x), carry)
         return block_step(carry, block_inputs)
 
-    (params, opt_state), o = jax.lax.scan(
+    (params, opt_state), out = jax.lax.scan(
         outer, (params, opt_state), (jnp.arange(n_blocks), blocks)
     )
-    return o.reshape(n_blocks * block, -1), params, opt_state
+    o, stats = (out, None) if hook is None else out
+    stats = jax.tree.map(lambda a: a.reshape(n_blocks * per_block, *a.shape[2:]), stats)
+    return o.reshape(n_blocks * block, -1), params, opt_state, stats
 
 
 def windowed(items: dict, window: int, names, buffer: dict) -> tuple[dict, dict]:
@@ -273,6 +316,16 @@ def windowed(items: dict, window: int, names, buffer: dict) -> tuple[dict, dict]
 
 def run_generic(level: Level, state: LevelState, ctx: Context):
     """The rule-agnostic inner loop (see the module docstring)."""
+    o, state, _ = run_hooked(level, state, ctx, None)
+    return o, state
+
+
+def run_hooked(level: Level, state: LevelState, ctx: Context, hook: UpdateHook | None):
+    """The generic inner loop with ``hook`` applied at the end of every update period.
+
+    Returns ``(o, final state, stats)``: ``stats`` the hook's per-update statistics with
+    leading ``(B, H, U)`` (None without a hook).
+    """
     B, T, H, _ = ctx.k.shape
     block = block_tokens(level)
     n_blocks = -(-T // block)
@@ -289,10 +342,18 @@ def run_generic(level: Level, state: LevelState, ctx: Context):
     mask = jnp.arange(T + pad) < T
     # (B, T, H, ...) -> (B, H, T, ...) so that vmaps over B then H see one memory's stream.
     items = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items)
+    updates = -(-T // level.every)
+    padded_updates = (T + pad) // level.every
+    x = None
+    if hook is not None:
+        x = jax.tree.map(
+            lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, padded_updates - updates)]), hook.inputs
+        )
 
-    def one(params, opt_state, items):
-        return _run_one(level, params, opt_state, items, mask, n_blocks, block)
+    def one(params, opt_state, items, x):
+        return _run_one(level, params, opt_state, items, mask, n_blocks, block, hook, x)
 
-    o, params, opt_state = jax.vmap(jax.vmap(one))(state.params, state.opt_state, items)
+    o, params, opt_state, stats = jax.vmap(jax.vmap(one))(state.params, state.opt_state, items, x)
     o = jnp.moveaxis(o, 1, 2)[:, :T]
-    return o, state.replace(params=params, opt_state=opt_state, cache=cache)
+    stats = jax.tree.map(lambda a: a[:, :, :updates], stats)
+    return o, state.replace(params=params, opt_state=opt_state, cache=cache), stats

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nested.core import probes
 from nested.core.level import Level, LevelState
 
 
@@ -66,6 +67,26 @@ def _advance(level: Level, state: LevelState, grad: Any, tokens: int) -> LevelSt
         (state.params, state.opt_state),
     )
     accum = _per_sequence(due, jax.tree.map(jnp.zeros_like, accum), accum)
+    return state.replace(params=params, opt_state=opt_state, cache=Accumulated(accum, tick))
+
+
+def consolidate(level: Level, state: LevelState) -> LevelState:
+    """Apply now what the level accumulated since its last update, as if its period ended
+    here: ``theta <- theta + rule(accum / n)`` with ``n = tick % every`` the tokens since then,
+    per sequence (nothing where ``n = 0``); the accumulator restarts."""
+    pending = state.cache.tick % level.every
+    mean = jax.tree.map(
+        lambda a: a / jnp.maximum(pending, 1).reshape((-1,) + (1,) * (a.ndim - 1)),
+        state.cache.accum,
+    )
+    updates, opt_state = jax.vmap(level.rule.transform.update)(mean, state.opt_state, state.params)
+    params, opt_state = _per_sequence(
+        pending > 0,
+        (optax.apply_updates(state.params, updates), opt_state),
+        (state.params, state.opt_state),
+    )
+    accum = jax.tree.map(jnp.zeros_like, state.cache.accum)
+    tick = state.cache.tick - pending  # the next period starts here
     return state.replace(params=params, opt_state=opt_state, cache=Accumulated(accum, tick))
 
 
@@ -126,5 +147,6 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)
         return jax.tree.unflatten(treedef, new_leaves), logits
 
-    fast, logits = jax.lax.scan(step, fast, spans)
+    with probes.repeated("the model runs period by period for outer-loss levels (a scan)"):
+        fast, logits = jax.lax.scan(step, fast, spans)
     return jnp.moveaxis(logits, 0, 1).reshape(B, T, -1), fast

@@ -13,7 +13,9 @@
 * ``eval_step(state, batch) -> metrics``.
 
 A batch is a mapping of ``inputs`` and ``targets``, ``(B, T)`` integer token ids, and optionally
-``mask (B, T)``, or a :class:`nested.data.Batch`. Where a batch enters (``loss``, ``train_step``,
+``mask (B, T)`` and ``reset (B, T)`` (set at the first position of rows that start a new stream:
+their carried fast state restarts from the learned initial state), or a
+:class:`nested.data.Batch`. Where a batch enters (``loss``, ``train_step``,
 ``eval_step``; ``apply``'s ``inputs``) its shapes and dtypes are checked when the function is
 traced, so under ``jax.jit`` too; token ids are checked to lie in ``[0, vocab)`` where their
 values are known: in eager calls and in :meth:`Program.check_batch`, the checked entry to call
@@ -186,9 +188,11 @@ class Program:
         ``[0, vocab)``."""
         check_tokens(x, self.vocab, name, source=_VOCAB, fix=_FIX)
 
-    def start_fast(self, params, batch_size: int, carried=None):
+    def start_fast(self, params, batch_size: int, carried=None, reset=None):
         """The fast state a sequence starts from: learned initial states, except that levels
-        with ``persist="stream"`` continue from ``carried`` when it is given."""
+        with ``persist="stream"`` continue from ``carried`` when it is given. ``reset``
+        ``(B,)`` bool: rows that start a new stream (a new agent, say) take the initial state
+        there too, carried or not."""
         fresh = self.model(params).initial_fast(batch_size)
         if carried is None:
             return fresh
@@ -198,9 +202,23 @@ class Program:
             # caches) continues whenever a carried state is given.
             if isinstance(new, LevelState) and self.system[new.level].persist != "stream":
                 return new
-            return old
+            if reset is None:
+                return old
+            return jax.tree.map(
+                lambda n, o: jnp.where(reset.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, old
+            )
 
         return jax.tree.map(pick, fresh, carried, is_leaf=_is_state)
+
+    def stream_start(self, params, batch: Mapping[str, Any], carried):
+        """:meth:`start_fast` for a batch of a stream: ``carried`` continued (None: fresh),
+        except in the rows where the batch's optional ``reset`` ``(B, T)`` is set at its first
+        position (the task marks a new stream there)."""
+        if carried is None:
+            return None
+        reset = batch.get("reset")
+        reset = None if reset is None else reset[:, 0] > 0
+        return self.start_fast(params, batch["inputs"].shape[0], carried, reset)
 
     # -- the compiled functions ----------------------------------------------------------
 
@@ -257,9 +275,7 @@ class Program:
         leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
         """
         batch = self.check_batch(batch)
-        fast = None
-        if state.fast is not None:
-            fast = self.start_fast(state.params, batch["inputs"].shape[0], state.fast)
+        fast = self.stream_start(state.params, batch, state.fast)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         (loss, (metrics, fast)), grads = grad_fn(state.params, batch, fast)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -282,9 +298,7 @@ class Program:
     def eval_step(self, state: State, batch) -> dict:
         """Metrics of the outer objective on ``batch`` (fast levels still learn in context)."""
         batch = self.check_batch(batch)
-        fast = None
-        if state.fast is not None:
-            fast = self.start_fast(state.params, batch["inputs"].shape[0], state.fast)
+        fast = self.stream_start(state.params, batch, state.fast)
         _, (metrics, _) = self._loss(state.params, batch, fast)
         return metrics
 

@@ -6,6 +6,7 @@ of a run is just the index of its next batch. See ``nested.data.batch`` for the 
 """
 
 from nested.data.batch import (
+    STREAM_EXTRAS,
     Batch,
     Task,
     as_arrays,
@@ -18,6 +19,7 @@ from nested.data.batch import (
     sample_without_replacement,
 )
 from nested.data.char_lm import CharLMTask, bits_per_char, decode, split_files
+from nested.data.companion import CompanionTask
 from nested.data.continual import ContinualTask
 from nested.data.mqar import (
     ZOOLOGY_TEST_SETTINGS,
@@ -31,11 +33,13 @@ from nested.data.registry import TASKS, make_task
 __all__ = [
     "NEEDLE",
     "QUERY",
+    "STREAM_EXTRAS",
     "TASKS",
     "ZOOLOGY_TEST_SETTINGS",
     "ZOOLOGY_TRAIN_SETTINGS",
     "Batch",
     "CharLMTask",
+    "CompanionTask",
     "ContinualTask",
     "MQARTask",
     "NIAHTask",

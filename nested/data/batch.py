@@ -67,6 +67,11 @@ class Task(Protocol):
         ...
 
 
+# Extras a training loop passes on to the program: ``reset (B, T)``, set at the first position
+# of the rows whose stream starts anew (a new agent): their carried fast state restarts.
+STREAM_EXTRAS = ("reset",)
+
+
 def make_batch(
     inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray, **extras: np.ndarray
 ) -> Batch:

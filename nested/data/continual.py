@@ -29,6 +29,17 @@ num_tasks``: the task switches every ``switch_every`` batches, cycling after the
 across sequences carries row r of one batch into row r of the next, so every row's memory
 sees a stream of sequences of its own mapping under the current task.
 
+Agents. With ``agent_every = N > 0`` every row gets a new agent every N training batches:
+batch ``index`` belongs to agent ``index // N`` of each row, whose chain of maps is drawn anew,
+and the batch's ``reset`` extra (B, T) is 1 at the first position of an agent's first batch,
+so a loop that honours it (:meth:`nested.Program.train_step`) restarts the rows' fast state
+from the learned initial state there. The slow weights then cannot follow the rows' mappings
+(they change with every agent); they can only learn how a fast state learns an agent. With
+``N = 0`` (the default) each row keeps one agent for the whole run, and the slow weights,
+updated at every batch, can follow the current mapping of every row through the row's carried
+state: measure with frozen slow weights (``experiments/plasticity.py``) what the fast state
+itself learns.
+
 What is measured. Targets and mask are set at the Q query positions only (target
 f_j^r(q_i)). Extras: ``task_id`` (B,) int32, and ``in_context`` (B, T) float32, 1 at queries
 whose key was presented earlier in the same sequence. Accuracy on ``in_context`` queries is
@@ -37,7 +48,8 @@ from the fast state carried across the row's earlier sequences (slow weights can
 per-row mapping). Eval split ``task{k}`` gives batches of task k at any time, row r under
 f_k^r: accuracy on task k after training has moved on to later tasks measures forgetting
 (the memory part is the meaningful one; evaluate on a copy of the fast states so evaluation
-does not write into the training state).
+does not write into the training state). With agents, split ``task{k}`` is a held-out agent's
+first sequence under task k (``reset`` set: in-context recall of a fresh agent).
 """
 
 from __future__ import annotations
@@ -71,6 +83,7 @@ class ContinualTask:
       num_tasks: number of distinct mappings.
       switch_every: training batches per task.
       remap_fraction: share of keys whose value changes at each task boundary, in (0, 1].
+      agent_every: training batches per agent (0: one agent per row for the whole run).
       seed: base seed; batch ``i`` of split ``s`` depends on (seed, s, i) only.
     """
 
@@ -81,6 +94,7 @@ class ContinualTask:
     num_tasks: int = 5
     switch_every: int = 200
     remap_fraction: float = 1.0
+    agent_every: int = 0
     seed: int = 0
 
     name: ClassVar[str] = "continual"
@@ -88,7 +102,12 @@ class ContinualTask:
     def __post_init__(self):
         if not isinstance(self.seed, int) or self.seed < 0:
             raise field_error(self.name, "seed", self.seed, "use a non-negative int")
-        for field, low in [("num_tasks", 1), ("switch_every", 1), ("num_queries", 1)]:
+        for field, low in [
+            ("num_tasks", 1),
+            ("switch_every", 1),
+            ("num_queries", 1),
+            ("agent_every", 0),
+        ]:
             if getattr(self, field) < low:
                 raise field_error(self.name, field, getattr(self, field), f"use >= {low}")
         if self.num_pairs < 0:
@@ -130,30 +149,32 @@ class ContinualTask:
         """The task of training batch ``index``."""
         return (int(index) // self.switch_every) % self.num_tasks
 
-    def mapping(self, task_id: int, row: int = 0) -> np.ndarray:
+    def mapping(self, task_id: int, row: int = 0, agent: int = 0) -> np.ndarray:
         """(num_keys,) int32: the value token of key token 1 + i in batch row ``row`` under
-        task ``task_id`` (f_{task_id}^{row} of the module docstring)."""
+        task ``task_id`` (f_{task_id}^{row} of the module docstring), for the row's agent
+        ``agent`` (``-1``: the held-out agent of the eval splits)."""
         if not 0 <= task_id < self.num_tasks:
             raise ValueError(f"task_id={task_id} is out of range [0, {self.num_tasks})")
         if not isinstance(row, int | np.integer) or row < 0:
             raise ValueError(f"row={row!r} must be a non-negative int (a batch row index)")
-        return self._chain(int(row))[task_id].astype(np.int32)
+        return self._chain(int(row), int(agent))[task_id].astype(np.int32)
 
-    def _chain(self, row: int) -> np.ndarray:
-        """(num_tasks, num_keys) int64: row ``row``'s maps f_0^row .. f_{num_tasks-1}^row,
-        drawn from the generator of (seed, "mapping", row) alone; drawn once per row."""
-        if row not in self._chains:
-            self._chains[row] = self._draw_chain(row)
-        return self._chains[row]
+    def _chain(self, row: int, agent: int = 0) -> np.ndarray:
+        """(num_tasks, num_keys) int64: the maps f_0^row .. f_{num_tasks-1}^row of row
+        ``row``'s agent ``agent``, drawn from the generator of (seed, "mapping", row) alone for
+        agent 0 (of (seed, "mapping/<agent>", row) for the others); drawn once."""
+        if (row, agent) not in self._chains:
+            self._chains[row, agent] = self._draw_chain(row, agent)
+        return self._chains[row, agent]
 
     @functools.cached_property
-    def _chains(self) -> dict[int, np.ndarray]:
+    def _chains(self) -> dict[tuple[int, int], np.ndarray]:
         return {}
 
-    def _draw_chain(self, row: int) -> np.ndarray:
+    def _draw_chain(self, row: int, agent: int) -> np.ndarray:
         half = self.vocab_size // 2
         values = np.arange(half, self.vocab_size)
-        rng = rng_for(self.seed, "mapping", row)
+        rng = rng_for(self.seed, "mapping" if agent == 0 else f"mapping/{agent}", row)
         maps = np.empty((self.num_tasks, self.num_keys), dtype=np.int64)
         maps[0] = values[sample_without_replacement(rng, values.size, self.num_keys, rows=1)[0]]
         for j in range(1, self.num_tasks):
@@ -169,12 +190,21 @@ class ContinualTask:
         """Batch ``index`` of ``split`` ("train": task ``task_at(index)``; "task{k}": task k);
         row r follows ``mapping(task, r)``."""
         check_request(self, index, batch_size, split)
-        task_id = self.task_at(index) if split == "train" else int(split.removeprefix("task"))
-        return self._sequences(rng_for(self.seed, split, int(index)), batch_size, task_id)
+        rng = rng_for(self.seed, split, int(index))
+        if split != "train":
+            agent = -1 if self.agent_every else 0
+            return self._sequences(rng, batch_size, int(split.removeprefix("task")), agent, True)
+        agent = int(index) // self.agent_every if self.agent_every else 0
+        new = self.agent_every > 0 and int(index) % self.agent_every == 0
+        return self._sequences(rng, batch_size, self.task_at(index), agent, new)
 
-    def _sequences(self, rng: np.random.Generator, rows: int, task_id: int) -> Batch:
+    def _sequences(
+        self, rng: np.random.Generator, rows: int, task_id: int, agent: int = 0, new=False
+    ) -> Batch:
+        """Sequences of ``rows`` rows under task ``task_id`` of their agent ``agent``; with
+        agents (``agent_every > 0``) the ``reset`` extra says whether the agent is ``new``."""
         p, q = self.num_pairs, self.num_queries
-        f = np.stack([self._chain(r)[task_id] for r in range(rows)])  # (rows, K): row r's map
+        f = np.stack([self._chain(r, agent)[task_id] for r in range(rows)])  # (rows, K)
         presented = sample_without_replacement(rng, self.num_keys, p, rows=rows)
         queried = sample_without_replacement(rng, self.num_keys, q, rows=rows)
         answers = np.take_along_axis(f, queried, axis=1)
@@ -189,13 +219,11 @@ class ContinualTask:
         mask[:, 2 * p :: 2] = 1.0
         in_context = np.zeros(inputs.shape, dtype=np.float32)
         in_context[:, 2 * p :: 2] = (queried[:, :, None] == presented[:, None, :]).any(axis=2)
-        return make_batch(
-            inputs,
-            targets,
-            mask,
-            task_id=np.full(rows, task_id, dtype=np.int32),
-            in_context=in_context,
-        )
+        extras = {"task_id": np.full(rows, task_id, dtype=np.int32), "in_context": in_context}
+        if self.agent_every:
+            extras["reset"] = np.zeros(inputs.shape, np.float32)
+            extras["reset"][:, 0] = float(new)
+        return make_batch(inputs, targets, mask, **extras)
 
     def describe(self) -> str:
         small = dataclasses.replace(self, num_keys=6, num_pairs=3, num_queries=3, vocab_size=32)
@@ -204,7 +232,9 @@ class ContinualTask:
             f"Continual KV stream: {self.num_tasks} tasks over {self.num_keys} keys, switching "
             f"every {self.switch_every} train batches, {self.remap_fraction:.0%} of keys "
             f"remapped per switch; each batch row has its own mappings (so only the context "
-            f"and a fast state carried along the row can recall them); each sequence = "
+            f"and a fast state carried along the row can recall them)"
+            + (f", a new agent every {self.agent_every} batches" if self.agent_every else "")
+            + f"; each sequence = "
             f"{self.num_pairs} presented pairs k f(k), "
             f"then {self.num_queries} queries q f(q) scored at q (T={self.seq_len}).\n"
             f"Example (V=32, 6 keys, 3 pairs, 3 queries):\n{example}"

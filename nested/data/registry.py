@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from nested.data.batch import Task
 from nested.data.char_lm import CharLMTask
+from nested.data.companion import CompanionTask
 from nested.data.continual import ContinualTask
 from nested.data.mqar import MQARTask
 from nested.data.niah import NIAHTask
@@ -16,6 +17,7 @@ TASKS: Mapping[str, type] = {
     "niah": NIAHTask,
     "char_lm": CharLMTask,
     "continual": ContinualTask,
+    "companion": CompanionTask,
 }
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested.core import inner
+from nested.core import inner, probes
 from nested.core.level import InitialState, Level
 from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
 
@@ -137,7 +137,8 @@ class SelfModifyingLayer(nnx.Module):
         outputs = []
         if full:
             chunks = jnp.moveaxis(x[:, :full].reshape(B, full // C, C, dim), 1, 0)
-            state, o = jax.lax.scan(jax.checkpoint(self._chunk), state, chunks)
+            with probes.repeated("Hope's projection periods (a scan over chunks)"):
+                state, o = jax.lax.scan(jax.checkpoint(self._chunk), state, chunks)
             outputs.append(jnp.moveaxis(o, 0, 1).reshape(B, full, *o.shape[3:]))
         if full < T:
             state, o = self._chunk(state, x[:, full:])

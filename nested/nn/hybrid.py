@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nested.core import inner
+from nested.core import inner, probes
 from nested.core.level import Level
 from nested.nn.attention import (
     SlidingWindowAttention,
@@ -142,7 +142,8 @@ class MemoryAsContext(nnx.Module):
         memory, outputs = state["memory"], []
         if whole:
             segments = x[:, :whole].reshape(B, -1, self.window, dim)
-            memory, y = jax.lax.scan(segment, memory, jnp.moveaxis(segments, 1, 0))
+            with probes.repeated("memory-as-context segments (a scan over segments)"):
+                memory, y = jax.lax.scan(segment, memory, jnp.moveaxis(segments, 1, 0))
             outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
         if whole < T:
             memory, y = segment(memory, x[:, whole:])

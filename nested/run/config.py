@@ -29,6 +29,7 @@ from nested.core.level import Level
 from nested.core.scheduler import Program, compile
 from nested.core.system import NestedSystem
 from nested.learn import objectives, recipes
+from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema
 from nested.run.config_schema import MODELS, OPTIMIZERS, TRAIN_DEFAULTS, ConfigError
@@ -39,6 +40,7 @@ load, from_json, variant = schema.load, schema.from_json, schema.variant
 task_config = schema.task_config
 model_config, level_config = schema.model_config, schema.level_config
 optimizer_config, train_config = schema.optimizer_config, schema.train_config
+plasticity_config = schema.plasticity_config
 OUTER = "model"  # name of the outermost level
 
 
@@ -157,6 +159,26 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
     return train
 
 
+def plasticity_settings(config) -> dict[str, Any]:
+    """The ``plasticity`` section of ``config`` checked (its defaults where it has none):
+    ``every`` an int >= 0 (0: off) and a multiple of ``train.steps_per_call``, ``form`` one of
+    :data:`nested.plasticity.alignment.FORMS`, ``rows`` an int >= 1."""
+    section = config.get("plasticity") or {}
+    settings = schema.check_keys("plasticity", section, cf.plain(schema.PLASTICITY_DEFAULTS))
+    settings = {**schema.PLASTICITY_DEFAULTS, **settings}
+    every = _positive("plasticity.every", settings["every"], zero=True)
+    _positive("plasticity.rows", settings["rows"])
+    if settings["form"] not in FORMS:
+        raise ConfigError(f"plasticity.form={settings['form']!r} is unknown; allowed: {FORMS}")
+    k = config.train.get("steps_per_call", 1)
+    if every % k:
+        raise ConfigError(
+            f"plasticity.every={every} is not a multiple of train.steps_per_call={k}; allowed: "
+            f"multiples of {k}, or 0 (off)"
+        )
+    return settings
+
+
 def _make_optimizer(config, steps: int):
     """The outer update rule and its learning-rate schedule ``step -> lr``."""
     name = config.optimizer.get("name")
@@ -261,6 +283,7 @@ def build(config: config_dict.ConfigDict) -> Experiment:
             f"a segment inside each sequence; allowed: {schema.divisors(task.seq_len)}"
         )
     train = _check_train(config, carries_fast)
+    plasticity_settings(config)
     tx, schedule = _make_optimizer(config, train["steps"])
     hyper = _model_hyper(config, model, entry, slots, levels)
     factory = lambda rngs: entry.build(vocab=task.vocab_size, rngs=rngs, **hyper)

@@ -49,7 +49,8 @@ from nested.nn.models import MemoryLM
 from nested.run import config_fields as cf
 from nested.run.sharding import MESH_DEFAULTS
 
-SECTIONS = ("seed", "task", "model", "levels", "optimizer", "train")
+SECTIONS = ("seed", "task", "model", "levels", "optimizer", "train", "plasticity")
+OPTIONAL = ("plasticity",)  # a config (or a run's config.json) without it takes its defaults
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "adamw": optax.adamw,
     "adam": optax.adam,
@@ -78,6 +79,16 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         # The model's compute precision; parameters and fast states stay float32
         # (nested.compile's compute_dtype). One of DTYPES.
         "dtype": "float32",
+    }
+)
+
+
+# Functional-plasticity figures logged during training (nested.plasticity.alignment).
+PLASTICITY_DEFAULTS = types.MappingProxyType(
+    {
+        "every": 0,  # log the alignment of the fast levels' updates every N steps; 0: never
+        "form": "through_scan",  # or "one_step" (nested.plasticity.alignment.FORMS)
+        "rows": 8,  # the batch rows it is measured on (the first ones): its cost grows with them
     }
 )
 
@@ -231,7 +242,7 @@ def check_sections(config: config_dict.ConfigDict) -> None:
     unknown = sorted(set(config.keys()) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"config.{unknown[0]} is not a section; allowed: {list(SECTIONS)}")
-    missing = [s for s in SECTIONS if s not in config]
+    missing = [s for s in SECTIONS if s not in config and s not in OPTIONAL]
     if missing:
         raise ConfigError(f"config.{missing[0]} is missing; a config has {list(SECTIONS)}")
 
@@ -317,6 +328,11 @@ def train_config(*, mesh: Mapping[str, Any] | None = None, **fields) -> config_d
     return section
 
 
+def plasticity_config(**fields) -> config_dict.ConfigDict:
+    """The ``plasticity`` section, :data:`PLASTICITY_DEFAULTS` overridden by ``fields``."""
+    return wrapped(None, cf.section, cf.plain(PLASTICITY_DEFAULTS), fields)
+
+
 def load(spec: str) -> config_dict.ConfigDict:
     """``get_config(variant)`` of the file in ``spec = "path.py[:variant]"`` (as
     ``--config path.py:variant`` does), for notebooks and tests."""
@@ -368,6 +384,7 @@ def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
         "optimizer": optimizer_fields(config.optimizer.name),
         "train": cf.plain(TRAIN_DEFAULTS),
         "train.mesh": cf.plain(MESH_DEFAULTS),
+        "plasticity": cf.plain(PLASTICITY_DEFAULTS),
     }
     out = {}
     for prefix, fields in sections.items():
@@ -388,6 +405,7 @@ def registered() -> dict[str, cf.Fields]:
         **{f"optimizer[name={name}]": optimizer_fields(name) for name in sorted(OPTIMIZERS)},
         "train": cf.plain(TRAIN_DEFAULTS),
         "train.mesh": cf.plain(MESH_DEFAULTS),
+        "plasticity": cf.plain(PLASTICITY_DEFAULTS),
     }
 
 

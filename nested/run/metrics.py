@@ -1,8 +1,10 @@
 """Run metrics: JSON lines and TensorBoard events, the final summary and the curves plot.
 
 A run's metrics are *records* ``{"step": int, "split": str, <metric>: float, ...}``: split
-``"train"`` for training windows (means over the steps since the previous record), and one
-split per held-out set (MQAR: one per ``(seq_len, pairs)`` setting). They are appended to
+``"train"`` for training windows (means over the steps since the previous record), one split
+per held-out set (MQAR: one per ``(seq_len, pairs)`` setting), and with ``plasticity.every``
+split ``"plasticity"``: the alignment figures ``<level>/<figure>`` of the fast levels' updates
+(:func:`nested.run.train.make_alignment_fn`). They are appended to
 ``<workdir>/metrics.jsonl`` and mirrored as TensorBoard scalars ``<split>/<metric>`` under
 ``<workdir>/tensorboard``. Wall-clock quantities (:data:`TIMING_KEYS`) are kept apart from
 the rest, which a resumed run reproduces exactly.
@@ -26,6 +28,8 @@ from tensorboardX import SummaryWriter  # noqa: E402
 TIMING_KEYS = ("tokens_per_s", "seconds")
 CHECKS_PREFIX = "finite/"  # per-step health flags (nested.core.guards): checked, not logged
 TRAIN = "train"
+PLASTICITY = "plasticity"
+NOT_EVALUATIONS = (TRAIN, PLASTICITY)  # splits that are not held-out sets
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
 # Curves worth a panel, in order; a panel appears when some record has the metric.
@@ -88,7 +92,7 @@ def mean(values: Iterable[Mapping[str, float]], weights: Iterable[float] | None 
 
 def final_eval(records: list[dict]) -> dict[str, dict]:
     """``{split: record}`` of the last evaluation (the latest step with eval records)."""
-    evals = [r for r in records if r["split"] != TRAIN]
+    evals = [r for r in records if r["split"] not in NOT_EVALUATIONS]
     if not evals:
         return {}
     last = max(r["step"] for r in evals)
@@ -142,14 +146,19 @@ def format_summary(result: Mapping) -> str:
 
 
 def plot(records: list[dict], path: str | Path, *, title: str = "") -> Path:
-    """Training and eval curves, one panel per metric of :data:`PLOTTED`, one line per split;
-    saved as a PNG at ``path``."""
-    panels = [m for m in PLOTTED if any(m in r for r in records)]
+    """Training and eval curves, one panel per metric of :data:`PLOTTED`, one line per split,
+    and with plasticity records one of each level's mean ``cos_local``; saved as a PNG at
+    ``path``."""
+    cosines = sorted(
+        {k for r in records if r["split"] == PLASTICITY for k in r} - {"step", "split"}
+    )
+    cosines = [k for k in cosines if k.endswith("/cos_local")]
+    panels = [m for m in PLOTTED if any(m in r for r in records)] + cosines
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 3.8))
     axes = np.atleast_1d(axes)
     splits = list(dict.fromkeys(r["split"] for r in records))
     for ax, metric in zip(axes, panels, strict=False):
-        for split in splits:
+        for split in [PLASTICITY] if metric in cosines else splits:
             points = [
                 (r["step"], r[metric]) for r in records if r["split"] == split and metric in r
             ]

@@ -15,9 +15,11 @@ One linear loop over outer steps, read top to bottom:
    ``lax.scan`` of ``Program.train_step`` over stacked batches. Between calls, on the host:
    the non-finite check (skipped steps counted, the run stopped past
    ``train.max_skipped_fraction``), a log record every ``log_every`` steps (means over the
-   window), an evaluation of every held-out split every ``eval_every`` steps, a checkpoint
-   every ``checkpoint_every`` steps. SIGTERM (a preemption) ends the loop after the current
-   call with a checkpoint of the step reached, and raises :class:`Stopped`.
+   window), an evaluation of every held-out split every ``eval_every`` steps, with
+   ``plasticity.every`` the alignment of the fast levels' updates on the latest batch
+   (:func:`make_alignment_fn`), a checkpoint every ``checkpoint_every`` steps. SIGTERM (a
+   preemption) ends the loop after the current call with a checkpoint of the step reached,
+   and raises :class:`Stopped`.
 4. **End**: a final evaluation and checkpoint, ``curves.png``, the printed summary.
 
 Training batch ``i`` is ``task.batch(i, batch_size)``, a pure function of ``i``, so the data
@@ -56,6 +58,7 @@ from tqdm import tqdm
 from nested import data
 from nested.core import guards
 from nested.core.scheduler import Program, State
+from nested.plasticity import alignment
 from nested.run import checkpoint, fingerprint, memory_state, metrics, sharding
 from nested.run import config as config_lib
 from nested.run.config import ConfigError, Experiment
@@ -108,7 +111,10 @@ def check_task(task) -> None:
 def stacked_batches(task, start: int, count: int, batch_size: int) -> dict[str, np.ndarray]:
     """Training batches ``start .. start + count - 1`` stacked on a leading axis (each
     checked with :func:`check_arrays`)."""
-    batches = [data.as_arrays(task.batch(i, batch_size)) for i in range(start, start + count)]
+    batches = [
+        data.as_arrays(task.batch(i, batch_size), extras=data.STREAM_EXTRAS)
+        for i in range(start, start + count)
+    ]
     for i, arrays in enumerate(batches):
         check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
@@ -166,9 +172,7 @@ def make_eval_fn(program: Program, layout: sharding.Layout | None = None):
 
     def run(state: State, batch):
         main = {k: batch[k] for k in ("inputs", "targets", "mask")}
-        fast = None
-        if state.fast is not None:
-            fast = program.start_fast(state.params, main["inputs"].shape[0], state.fast)
+        fast = program.stream_start(state.params, batch, state.fast)
         _, (out, new_fast) = program.loss(state.params, main, fast)
         out = {"loss": out["loss"], "accuracy": out["accuracy"]}
         if "in_context" in batch:
@@ -189,6 +193,48 @@ def make_eval_fn(program: Program, layout: sharding.Layout | None = None):
         in_shardings=(layout.state, layout.batch()),
         out_shardings=(layout.replicated, layout.state.fast),
     )
+
+
+def make_alignment_fn(program: Program, form: str, rows: int):
+    """``(state, batch) -> {"<level>/<figure>": value}``: the alignment of every update of the
+    probed fast levels with the outer loss of the first ``rows`` rows of ``batch``
+    (:mod:`nested.plasticity.alignment`, ``form``), summarised per level, for the training log
+    (``plasticity.every``)."""
+
+    @jax.jit
+    def measure(state: State, batch):
+        fast = program.stream_start(state.params, batch, state.fast)
+        fast = jax.tree.map(lambda x: x[:rows], fast)
+        batch = jax.tree.map(lambda x: x[:rows], batch)
+        return alignment.measure_program(program, state.params, batch, fast=fast, form=form)[1]
+
+    def figures(state: State, batch) -> dict[str, float]:
+        summary = alignment.summarize(measure(state, batch))
+        return {
+            f"{level}/{name}": values[name]
+            for level, values in summary.items()
+            for name in alignment.SCALARS
+        }
+
+    return figures
+
+
+def check_alignment(program: Program, state: State, batch) -> None:
+    """Raise :class:`ConfigError` before training when ``plasticity.every`` asks for figures
+    the model cannot give (no probe-able fast level: outer-loss blocks, scanned levels)."""
+    batch = {k: batch[k][0] for k in ("inputs", "targets", "mask")}  # one of the stacked batches
+    try:
+        alignment.check_levels(program, None, future=False)
+        calls = alignment.discover(
+            lambda p, b, f: alignment.program_loss(program, p, b, f),
+            state.params,
+            batch,
+            state.fast,
+        )
+        if not calls:
+            raise ValueError("the model runs no fast level with a local objective to probe")
+    except ValueError as error:
+        raise ConfigError(f"plasticity.every: {' '.join(str(error).split())}") from error
 
 
 def evaluate(
@@ -213,7 +259,8 @@ def evaluate(
     for split in task.eval_splits if splits is None else splits:
         parts = []
         for i in range(batches):
-            batch = data.as_arrays(task.batch(i, batch_size, split=split), extras=("in_context",))
+            made = task.batch(i, batch_size, split=split)
+            batch = data.as_arrays(made, extras=(*data.STREAM_EXTRAS, "in_context"))
             check_arrays(batch, task.vocab_size, f"task {task.name}: {split} batch {i}")
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
             parts.append(jax.device_get(out))
@@ -396,6 +443,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     check_workdir(workdir)
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
+    plasticity = config_lib.plasticity_settings(exp.config)
     check_task(task)
     layout = make_layout(exp)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -436,9 +484,13 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
             bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=None, file=sys.stderr)
             first = min(cfg.steps_per_call, cfg.steps - step)
             batches = stacked_batches(task, position, first, cfg.batch_size) if first > 0 else None
+            if plasticity["every"] and batches is not None:
+                check_alignment(program, state, batches)
+                alignment_fn = make_alignment_fn(program, plasticity["form"], plasticity["rows"])
             start_time = time.perf_counter()
             while step < cfg.steps:  # one iteration per jitted call
                 count, n_tokens = len(batches["inputs"]), batches["inputs"].size
+                latest = {k: v[-1] for k, v in batches.items()}
                 state, out = train_fn(state, batches)
                 position += count
                 following = min(cfg.steps_per_call, cfg.steps - step - count)
@@ -466,6 +518,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                     window, window_start, tokens = [], time.perf_counter(), 0
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     _evaluate_and_log(eval_fn, state, task, cfg, writer, step)
+                if plasticity["every"] and step % plasticity["every"] == 0:
+                    writer.write(step, metrics.PLASTICITY, alignment_fn(state, latest))
                 # The unfinished log window goes with the state, so a run resumed from any
                 # step logs the windows an uninterrupted one does.
                 saved = {"data_position": position, "extra": {"window": window}}
