@@ -1,0 +1,49 @@
+"""python experiments/train.py --config configs/companion.py --workdir runs/companion
+
+The Agent Companion task (``nested.data.CompanionTask``): every batch row is an agent with a
+private rule (each of 32 feature tokens votes for one of 8 labels; an input is 3 features),
+observed as (input, answer) events, 16 a sequence, over 8 sessions of 2 sequences: four
+sessions to learn, the rule drifting at the fifth, four to recover; two rule-breaking facts
+shown at its start; every 16 batches each row gets a new agent and its fast state restarts.
+The memory (DeltaNet) keeps its state across an agent's sequences (``persist="stream"``), so
+the slow weights learn how a fast state learns an agent: they never see the agents a
+deployment serves. ``python experiments/serve.py --workdir
+runs/companion`` serves the trained model, one learning memory per agent; RESULTS.md ("Agent
+companion") compares it with retrieval memories on held-out agents.
+
+Variants: ``configs/companion.py:<rule>`` for any rule of ``nested.recipes.RULES``.
+"""
+
+from ml_collections import config_dict
+
+from nested.run import config as nc
+
+
+def get_config(arg=None):
+    rule = nc.variant(arg)
+    config = config_dict.ConfigDict()
+    config.seed = 0
+    config.task = nc.task_config("companion")
+    config.model = nc.model_config(
+        "memory_lm",
+        level="memory",  # the mixer's fast level: levels.memory
+        dim=64,
+        heads=2,
+        layers=1,
+        mlp_ratio=2,
+    )
+    config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule, persist="stream")})
+    config.optimizer = nc.optimizer_config(
+        "adamw", learning_rate=3e-3, weight_decay=0.1, b2=0.98, warmup_steps=100
+    )
+    config.train = nc.train_config(
+        steps=6000,
+        batch_size=32,
+        log_every=50,
+        eval_every=250,
+        eval_batches=2,
+        eval_batch_size=32,
+        checkpoint_every=250,
+    )
+    config.plasticity = nc.plasticity_config()  # plasticity.every=N: alignment in training
+    return config

@@ -1,0 +1,49 @@
+"""Serve a trained run as an Agent Companion: ``python experiments/serve.py --workdir DIR``.
+
+Loads the latest checkpoint of ``--workdir`` (slow weights frozen) and serves one learning
+fast-weight memory per agent over HTTP on ``--host``:``--port`` (default loopback), the
+states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); with
+``--api_key_file`` every agent request needs ``Authorization: Bearer <the file's key>``.
+OpenAPI docs at ``/docs``. Everything is in ``nested.companion``.
+"""
+
+import sys
+from pathlib import Path
+
+import uvicorn
+from absl import flags
+
+from nested.companion import engine, server
+from nested.run import cli
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the trained run to serve.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
+_PORT = flags.DEFINE_integer("port", 8080, "Port to listen on.")
+_STORE = flags.DEFINE_string("store", None, "SQLite file of the agents' states.")
+_KEY = flags.DEFINE_string("api_key_file", None, "File holding the bearer key (one line).")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 256, "Most agents in one jitted call.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+    del argv
+    with cli.user_errors():
+        key = None
+        if _KEY.value is not None:
+            path = Path(_KEY.value)
+            if not path.is_file() or not path.read_text().strip():
+                sys.exit(f"error: --api_key_file={_KEY.value}: no key there (one line of text)")
+            key = path.read_text().strip()
+        try:
+            companion = engine.Companion.open(
+                _WORKDIR.value, _STORE.value, max_batch=_MAX_BATCH.value
+            )
+        except engine.CompanionError as error:
+            sys.exit(f"error: {error}")
+        app = server.create_app(companion, api_key=key)
+        print(f"serving {_WORKDIR.value} on http://{_HOST.value}:{_PORT.value}", flush=True)
+        uvicorn.run(app, host=_HOST.value, port=_PORT.value, log_level="warning")
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,18 @@
+"""The Agent Companion Model: a learning fast-weight memory per agent beside a frozen model.
+
+Seed 000, section 6: a small neural learner beside a frozen foundation model, one persistent
+*learning* state per agent, updated online from the agent's interactions.
+
+* :mod:`~nested.companion.engine`: :class:`Companion`, the Python API (observe, recall,
+  consolidate, forget, export and import of an agent), many agents in one jitted call;
+* :mod:`~nested.companion.store`: the per-agent states, :class:`SQLiteStore` by default;
+* :mod:`~nested.companion.server`: the HTTP service (``experiments/serve.py``);
+* :mod:`~nested.companion.client`: a Python client of it and a launcher of its process;
+* :mod:`~nested.companion.study`: the learning memory against retrieval memories on held-out
+  agents (``experiments/companion_study.py``).
+"""
+
+from nested.companion.engine import Companion, CompanionError
+from nested.companion.store import SQLiteStore, Store
+
+__all__ = ["Companion", "CompanionError", "SQLiteStore", "Store"]

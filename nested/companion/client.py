@@ -1,0 +1,135 @@
+"""A small HTTP client of the companion service, and a launcher of the server process.
+
+:class:`Client` speaks the endpoints of :mod:`nested.companion.server` with the standard
+library only (``urllib``): ``observe``, ``recall``, ``consolidate``, ``tokens``, ``forget``,
+``export``, ``import_``, ``health``; :meth:`Client.request` returns ``(status, body)`` for any call.
+:class:`ServerProcess` starts ``experiments/serve.py`` on loopback with a free port and waits
+until it answers (the tests and ``benchmarks/companion_load.py`` use it).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SERVE = Path(__file__).resolve().parents[2] / "experiments" / "serve.py"
+
+
+class Client:
+    """Requests to the server at ``base`` (``http://host:port``), with a bearer ``api_key``."""
+
+    def __init__(self, base: str, api_key: str | None = None, timeout: float = 60.0):
+        self.base, self.api_key, self.timeout = base.rstrip("/"), api_key, timeout
+
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None):
+        """``(status, decoded JSON or bytes)`` of one call; HTTP errors are returned, not
+        raised (connection errors are)."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"content-type": "application/json"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base + path, data, headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                status, content = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, content = error.code, error.read()
+        try:
+            return status, json.loads(content)
+        except ValueError:
+            return status, content
+
+    def _ok(self, method: str, path: str, body: Any = None, raw: bytes | None = None):
+        status, content = self.request(method, path, body, raw=raw)
+        if status != 200:
+            error = content.get("error") if isinstance(content, dict) else content
+            raise RuntimeError(f"{method} {path}: HTTP {status}: {error}")
+        return content
+
+    def health(self) -> dict:
+        return self._ok("GET", "/health")
+
+    def observe(self, agent_id: str, tokens: list[int]) -> int:
+        return self._ok("POST", f"/agents/{agent_id}/observe", {"tokens": tokens})["tokens"]
+
+    def recall(self, agent_id: str, queries: list[list[int]]) -> dict:
+        return self._ok("POST", f"/agents/{agent_id}/recall", {"queries": queries})
+
+    def consolidate(self, agent_id: str) -> int:
+        return self._ok("POST", f"/agents/{agent_id}/consolidate")["tokens"]
+
+    def tokens(self, agent_id: str) -> int:
+        return self._ok("GET", f"/agents/{agent_id}")["tokens"]
+
+    def forget(self, agent_id: str) -> bool:
+        return self._ok("DELETE", f"/agents/{agent_id}")["forgotten"]
+
+    def export(self, agent_id: str) -> bytes:
+        return self._ok("GET", f"/agents/{agent_id}/export")
+
+    def import_(self, agent_id: str, data: bytes) -> int:
+        return self._ok("PUT", f"/agents/{agent_id}/import", raw=data)["tokens"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``experiments/serve.py --workdir workdir --store store`` on ``127.0.0.1`` and a free
+    port, started and waited for (``timeout`` seconds); ``client`` talks to it."""
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        store: str | Path,
+        *,
+        api_key_file: str | Path | None = None,
+        max_batch: int = 256,
+        timeout: float = 180.0,
+    ):
+        self.port = free_port()
+        command = [
+            sys.executable,
+            str(SERVE),
+            f"--workdir={workdir}",
+            f"--store={store}",
+            f"--port={self.port}",
+            f"--max_batch={max_batch}",
+        ]
+        if api_key_file is not None:
+            command.append(f"--api_key_file={api_key_file}")
+        key = None if api_key_file is None else Path(api_key_file).read_text().strip()
+        self.client = Client(f"http://127.0.0.1:{self.port}", key)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited: {self.process.stderr.read().decode()[-2000:]}"
+                )
+            try:
+                if self.client.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"the server did not answer /health within {timeout} s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` (SIGKILL: killed at once) and wait for the process."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+        self.process.stderr.close()

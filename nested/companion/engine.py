@@ -1,0 +1,426 @@
+"""The Agent Companion Model: one persistent, learning fast-weight state per agent beside a
+frozen model.
+
+A :class:`Companion` serves a trained run (any workdir whose model has a level with
+``persist="stream"``): its slow weights are frozen; each agent owns only the carried fast state
+of that model (a few kilobytes), kept in a :mod:`~nested.companion.store`. Operations:
+
+* ``observe({agent: tokens})``: the model reads each agent's new tokens from the agent's state
+  (every token is read once, its target the next token of the same request) and the state it
+  leaves is stored, all agents of the call in one transaction;
+* ``recall({agent: queries})``: for each query (a token list), the model's next-token
+  distribution after it and the memories' read-out there, from the agent's state, without
+  writing; an agent never observed answers from the learned initial state;
+* ``consolidate``: levels that consolidate over a period (outer-loss levels such as CMS
+  blocks) apply what they accumulated now;
+* ``forget``, ``export_agent`` / ``import_agent`` (flax msgpack with the model's fingerprint).
+
+Requests from many agents run as **one jitted call**: their states are gathered into a slab
+(rows = agents), updated and scattered back. Sizes are bucketed so that a call never compiles
+anew for each batch size or length: rows are padded to a power of two with fresh states (their
+results discarded); an observe is cut into pieces whose lengths are powers of two times the
+model's update period, run one after another (a stream cut at period boundaries continues
+exactly); queries are padded at the end to a power of two (a causal model's read at a query's
+last token does not see what follows).
+
+Each stored state carries the fingerprint of the model that wrote it (architecture and
+slow-weights step); a state of another model is refused with :class:`CompanionError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization
+
+from nested.companion.store import DamagedState, Record, SQLiteStore, Store
+from nested.core import inner, outer_loss, probes
+from nested.core.level import LevelState
+
+AGENT_ID = "letters, digits, '_' and '-', 1 to 128 characters"
+MAX_TOKENS = 8192  # tokens per observe request
+MAX_QUERIES = 256  # queries per recall request
+MAX_QUERY_TOKENS = 512
+
+
+class CompanionError(ValueError):
+    """A request the companion refuses; the message names the field and the fix. ``status``:
+    the HTTP status the server answers with (400 a bad agent id, 409 an agent whose stored
+    state is damaged or of another model, 422 other bad input)."""
+
+    def __init__(self, message: str, status: int = 422):
+        super().__init__(message)
+        self.status = status
+
+
+def check_agent_id(agent_id: Any) -> str:
+    """``agent_id`` if it is a valid id (:data:`AGENT_ID`), else :class:`CompanionError`."""
+    ok = (
+        isinstance(agent_id, str)
+        and 1 <= len(agent_id) <= 128
+        and all(c.isascii() and (c.isalnum() or c in "_-") for c in agent_id)
+    )
+    if not ok:
+        shown = agent_id if not isinstance(agent_id, str) or len(agent_id) <= 40 else agent_id[:40]
+        raise CompanionError(f"agent id {shown!r} is not valid; use {AGENT_ID}", status=400)
+    return agent_id
+
+
+def _is_level_state(x) -> bool:
+    return isinstance(x, LevelState)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class _Readout:
+    """Probe: runs the carried levels as declared and keeps each call's reads ``o``."""
+
+    def __init__(self, names: set[str]):
+        self.names, self.reads = names, []
+
+    def selects(self, level) -> bool:
+        return level.name in self.names
+
+    def run(self, level, state, ctx):
+        with probes.probing(None):
+            o, state = inner.run(level, state, ctx)
+        self.reads.append(o)
+        return o, state
+
+
+class Companion:
+    """A frozen trained model and a store of per-agent fast states (module docstring).
+
+    ``trained``: a :class:`nested.run.loading.Trained`; ``store``: a :class:`Store`;
+    ``max_batch``: the most agents in one call (larger requests are split).
+    """
+
+    def __init__(self, trained, store: Store, *, max_batch: int = 256, top_k: int = 5):
+        program = trained.program
+        self.carried = sorted(
+            level.name for level in program.system.fast_levels if level.persist == "stream"
+        )
+        if not self.carried:
+            raise CompanionError(
+                "this model keeps no fast state across sequences (no level with "
+                "persist='stream'): there is nothing to learn per agent; train one with "
+                "--config.levels.<name>.persist=stream"
+            )
+        self.program, self.params, self.store = program, trained.state.params, store
+        self.fingerprint = json.dumps(trained.fingerprint, sort_keys=True)
+        self.vocab = program.vocab
+        self.max_batch, self.top_k = max_batch, top_k
+        # Observations are cut where the model can stop and go on exactly: at multiples of
+        # every local level's period and of the span outer-loss levels run in.
+        local = [level.every for level in program.system.fast_levels if not level.learns_outer_loss]
+        spans = [level.every for level in program.system.fast_levels if level.learns_outer_loss]
+        self.period = math.lcm(*local, min(spans, default=1))
+        self.template = jax.tree.map(
+            np.asarray, jax.jit(lambda p: program.start_fast(p, 1))(self.params)
+        )
+        self._observe = jax.jit(self._observe_fn)
+        self._recall = jax.jit(self._recall_fn)
+
+    @classmethod
+    def open(cls, workdir: str | Path, store: Store | str | Path | None = None, **kwargs):
+        """The companion of the run trained in ``workdir`` (its latest checkpoint), with the
+        SQLite store at ``store`` (default ``<workdir>/companion.sqlite``) or a given
+        :class:`Store`."""
+        from nested.run.loading import load_trained
+
+        trained = load_trained(workdir)
+        if store is None or isinstance(store, str | Path):
+            store = SQLiteStore(store or Path(workdir) / "companion.sqlite")
+        return cls(trained, store, **kwargs)
+
+    # -- states ------------------------------------------------------------------------------
+
+    def fresh(self):
+        """The state an unknown agent starts from (the learned initial state), one row."""
+        return self.template
+
+    def _decode(self, agent_id: str, record: Record):
+        if record.fingerprint != self.fingerprint:
+            raise CompanionError(
+                f"agent {agent_id!r}: its stored state was written by another model "
+                f"({record.fingerprint}, this one {self.fingerprint}); forget it or serve the "
+                f"model that wrote it"
+            )
+        return serialization.from_bytes(self.template, record.state)
+
+    def states(self, ids: Sequence[str]) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
+        """``(state per agent, tokens observed per agent, error per agent)`` for ``ids``:
+        fresh for unknown agents; a damaged or foreign state is an error for that agent only."""
+        stored = self.store.get_many(ids)
+        states, tokens, errors = {}, {}, {}
+        for agent_id in ids:
+            record = stored.get(agent_id)
+            if isinstance(record, DamagedState):
+                errors[agent_id] = str(record)
+            elif record is None:
+                states[agent_id], tokens[agent_id] = self.fresh(), 0
+            else:
+                try:
+                    states[agent_id] = self._decode(agent_id, record)
+                except (CompanionError, ValueError) as error:
+                    errors[agent_id] = str(error)
+                    continue
+                tokens[agent_id] = record.tokens
+        return states, tokens, errors
+
+    # -- the jitted calls --------------------------------------------------------------------
+
+    def _observe_fn(self, params, fast, tokens, targets, mask):
+        fast = self.program.start_fast(params, tokens.shape[0], fast)
+        _, fast = self.program.apply(params, tokens, fast, targets=targets, mask=mask)
+        return fast
+
+    def _recall_fn(self, params, fast, tokens, last):
+        fast = self.program.start_fast(params, tokens.shape[0], fast)
+        readout = _Readout(set(self.carried))
+        try:
+            with probes.probing(readout):
+                logits, _ = self.program.apply(params, tokens, fast)
+        except ValueError:  # a carried level runs inside a scan of the model: no read-out
+            logits, _ = self.program.apply(params, tokens, fast)
+            readout.reads = []
+        rows = jnp.arange(tokens.shape[0])
+        probs = jax.nn.softmax(logits[rows, last].astype(jnp.float32), axis=-1)
+        top, ids = jax.lax.top_k(probs, self.top_k)
+        reads = [o[rows, last].reshape(tokens.shape[0], -1) for o in readout.reads]
+        reads = jnp.concatenate(reads, axis=-1) if reads else jnp.zeros((tokens.shape[0], 0))
+        return ids, top, reads.astype(jnp.float32)
+
+    def _slab(self, states: list) -> Any:
+        """Rows stacked and padded with fresh states to a power of two."""
+        rows = states + [self.template] * (_pow2(len(states)) - len(states))
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+
+    # -- the operations ----------------------------------------------------------------------
+
+    def check_tokens(self, tokens: Any, field: str, *, limit: int, multiple: int = 1) -> np.ndarray:
+        """``tokens`` as int32 ``(n,)``: a non-empty list of ints in ``[0, vocab)``, at most
+        ``limit``, a multiple of ``multiple`` long; else :class:`CompanionError`."""
+        try:
+            array = np.asarray(tokens)
+        except (TypeError, ValueError) as error:
+            raise CompanionError(f"{field}: must be a list of token ids ({error})") from error
+        if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+            raise CompanionError(f"{field}: must be a non-empty list of integer token ids")
+        if array.size > limit:
+            raise CompanionError(f"{field}: {array.size} tokens, more than the limit {limit}")
+        if array.size % multiple:
+            raise CompanionError(
+                f"{field}: {array.size} tokens; this model updates every {multiple} tokens, so "
+                f"an observation is a multiple of {multiple} tokens"
+            )
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= self.vocab:
+            raise CompanionError(
+                f"{field}: token ids in [{low}, {high}], outside [0, {self.vocab}) (the model's "
+                f"vocabulary)"
+            )
+        return array.astype(np.int32)
+
+    def observe(self, requests: Mapping[str, Sequence[int]]) -> dict[str, dict]:
+        """Learn from each agent's ``tokens``; returns per agent ``{"tokens": total observed}``
+        or ``{"error": message}`` (a damaged or foreign state: that agent only). All the
+        states are written in one transaction. Raises :class:`CompanionError` for a bad
+        request (nothing written)."""
+        checked = {
+            check_agent_id(a): self.check_tokens(
+                t, f"agent {a!r}: tokens", limit=MAX_TOKENS, multiple=self.period
+            )
+            for a, t in requests.items()
+        }
+        out: dict[str, dict] = {}
+        ids = list(checked)
+        for start in range(0, len(ids), self.max_batch):
+            out.update(
+                self._observe_batch({a: checked[a] for a in ids[start : start + self.max_batch]})
+            )
+        return out
+
+    def _observe_batch(self, requests: dict[str, np.ndarray]) -> dict[str, dict]:
+        states, tokens, errors = self.states(list(requests))
+        out = {a: {"error": e} for a, e in errors.items()}
+        # Each request in pieces of period * 2^j tokens, largest first; round r runs every
+        # agent's r-th piece, one call per distinct piece length.
+        pieces = {a: self._pieces(len(requests[a])) for a in states}
+        offsets = dict.fromkeys(states, 0)
+        for round_ in range(max((len(p) for p in pieces.values()), default=0)):
+            by_length: dict[int, list[str]] = {}
+            for a, p in pieces.items():
+                if round_ < len(p):
+                    by_length.setdefault(p[round_], []).append(a)
+            for length, agents in by_length.items():
+                states.update(self._run_piece(agents, states, requests, offsets, length))
+                for a in agents:
+                    offsets[a] += length
+        records = {}
+        for a, state in states.items():
+            total = tokens[a] + len(requests[a])
+            records[a] = Record(serialization.to_bytes(state), self.fingerprint, total)
+            out[a] = {"tokens": total}
+        if records:
+            self.store.put_many(records)
+        return out
+
+    def _pieces(self, n: int) -> list[int]:
+        units, out, size = n // self.period, [], 1
+        while units:
+            if units & 1:
+                out.append(size * self.period)
+            units >>= 1
+            size <<= 1
+        return out[::-1]
+
+    def _run_piece(self, agents, states, requests, offsets, length) -> dict[str, Any]:
+        rows = _pow2(len(agents))
+        tokens = np.zeros((rows, length), np.int32)
+        targets = np.zeros((rows, length), np.int32)
+        mask = np.zeros((rows, length), np.float32)
+        for i, a in enumerate(agents):
+            request, at = requests[a], offsets[a]
+            tokens[i] = request[at : at + length]
+            following = request[at + 1 : at + length + 1]  # the next token of the request
+            targets[i, : following.size] = following
+            mask[i, : following.size] = 1.0
+        slab = self._slab([states[a] for a in agents])
+        new = jax.device_get(self._observe(self.params, slab, tokens, targets, mask))
+        return {a: jax.tree.map(lambda x, i=i: x[i : i + 1], new) for i, a in enumerate(agents)}
+
+    def recall(self, requests: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, dict]:
+        """For each agent, each query's ``top_k`` next tokens with their probabilities and the
+        memories' read-out at its last token, from the agent's state (nothing written):
+        ``{"tokens": (Q, k), "probs": (Q, k), "readout": (Q, n)}`` as lists, or
+        ``{"error": message}``."""
+        checked = {}
+        for a, queries in requests.items():
+            check_agent_id(a)
+            if not isinstance(queries, Sequence) or not 1 <= len(queries) <= MAX_QUERIES:
+                raise CompanionError(
+                    f"agent {a!r}: queries: give 1 to {MAX_QUERIES} queries (lists of token ids)"
+                )
+            checked[a] = [
+                self.check_tokens(q, f"agent {a!r}: query {i}", limit=MAX_QUERY_TOKENS)
+                for i, q in enumerate(queries)
+            ]
+        states, _, errors = self.states(list(checked))
+        out: dict[str, dict] = {a: {"error": e} for a, e in errors.items()}
+        rows = [(a, q) for a in states for q in checked[a]]
+        results = []
+        for start in range(0, len(rows), self.max_batch):
+            results += self._recall_rows(rows[start : start + self.max_batch], states)
+        for a in states:
+            mine = [r for (agent, _), r in zip(rows, results, strict=True) if agent == a]
+            out[a] = {key: [r[key] for r in mine] for key in ("tokens", "probs", "readout")}
+        return out
+
+    def _recall_rows(self, rows, states) -> list[dict]:
+        n = _pow2(len(rows))
+        length = _pow2(max(len(q) for _, q in rows))
+        length = -(-length // self.period) * self.period
+        tokens = np.zeros((n, length), np.int32)
+        last = np.zeros((n,), np.int32)
+        for i, (_, q) in enumerate(rows):
+            tokens[i, : len(q)], last[i] = q, len(q) - 1
+        slab = self._slab([states[a] for a, _ in rows])
+        ids, probs, reads = jax.device_get(self._recall(self.params, slab, tokens, last))
+        return [
+            {"tokens": ids[i].tolist(), "probs": probs[i].tolist(), "readout": reads[i].tolist()}
+            for i in range(len(rows))
+        ]
+
+    def consolidate(self, agent_ids: Sequence[str]) -> dict[str, dict]:
+        """Write into the slow-consolidating levels (outer-loss levels carried across
+        sequences, e.g. CMS blocks) what each agent accumulated since their last update, now
+        (:func:`nested.core.outer_loss.consolidate`); per agent ``{"tokens": ...}`` or
+        ``{"error": ...}``. A model without such a level raises :class:`CompanionError`."""
+        levels = {
+            level.name: level
+            for level in self.program.system.fast_levels
+            if level.learns_outer_loss and level.persist == "stream"
+        }
+        if not levels:
+            raise CompanionError(
+                "consolidate: this model has no level that consolidates over a period (an "
+                "outer-loss level such as a CMS block with persist='stream'); its memories "
+                "write at every update already",
+                status=409,
+            )
+        ids = [check_agent_id(a) for a in agent_ids]
+        states, tokens, errors = self.states(ids)
+        out: dict[str, dict] = {a: {"error": e} for a, e in errors.items()}
+
+        def flush(x):
+            if isinstance(x, LevelState) and x.level in levels:
+                return outer_loss.consolidate(levels[x.level], x)
+            return x
+
+        records = {}
+        for a, state in states.items():
+            new = jax.device_get(jax.tree.map(flush, state, is_leaf=_is_level_state))
+            records[a] = Record(serialization.to_bytes(new), self.fingerprint, tokens[a])
+            out[a] = {"tokens": tokens[a]}
+        if records:
+            self.store.put_many(records)
+        return out
+
+    def forget(self, agent_id: str) -> bool:
+        """Remove the agent's state (it starts over from the learned initial state)."""
+        return self.store.delete(check_agent_id(agent_id))
+
+    def tokens_observed(self, agent_id: str) -> int:
+        """Tokens the agent has observed (0 for an unknown agent)."""
+        states, tokens, errors = self.states([check_agent_id(agent_id)])
+        if errors:
+            raise CompanionError(errors[agent_id], status=409)
+        return tokens[agent_id]
+
+    def export_agent(self, agent_id: str) -> bytes:
+        """The agent's state as a portable file (flax msgpack: fingerprint, tokens, state)."""
+        states, tokens, errors = self.states([check_agent_id(agent_id)])
+        if errors:
+            raise CompanionError(errors[agent_id], status=409)
+        state = serialization.to_state_dict(states[agent_id])
+        content = {"fingerprint": self.fingerprint, "tokens": tokens[agent_id], "state": state}
+        return serialization.msgpack_serialize(content)
+
+    def import_agent(self, agent_id: str, data: bytes) -> int:
+        """Store a state exported by :meth:`export_agent` (of this model only) as
+        ``agent_id``'s; returns its tokens observed."""
+        check_agent_id(agent_id)
+        try:
+            content = serialization.msgpack_restore(data)
+            fingerprint, tokens = content["fingerprint"], int(content["tokens"])
+            state = serialization.from_state_dict(self.template, content["state"])
+        except Exception as error:  # noqa: BLE001 - any malformed file is the caller's
+            raise CompanionError(f"import: not a companion state file ({error!r:.200})") from error
+        if fingerprint != self.fingerprint:
+            raise CompanionError(
+                f"import: the state was written by another model ({fingerprint}, this one "
+                f"{self.fingerprint}); import it into the model that wrote it"
+            )
+        same = jax.tree.map(
+            lambda a, b: a.shape == b.shape and a.dtype == b.dtype, state, self.template
+        )
+        if not all(jax.tree.leaves(same)):
+            raise CompanionError("import: the state's arrays do not fit this model's")
+        record = Record(serialization.to_bytes(state), self.fingerprint, tokens)
+        self.store.put_many({agent_id: record})
+        return tokens
+
+
+def agent_bytes(companion: Companion) -> int:
+    """Bytes of one agent's fast state arrays (what the store keeps, before serialization)."""
+    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(companion.template)))

@@ -1,0 +1,279 @@
+"""The Agent Companion service: the real server process on loopback with a real SQLite file.
+
+Isolation, bad input, durability across SIGKILL and restart, a damaged state row, and many
+concurrent clients, each checked against the Python API replaying the same events.
+"""
+
+import http.client
+import json
+import os
+import signal
+import sqlite3
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import tiny_configs
+from flax import serialization
+
+from nested.companion import study
+from nested.companion.client import Client, ServerProcess
+from nested.companion.engine import Companion, CompanionError
+from nested.companion.store import SQLiteStore
+from nested.run import config as nc
+from nested.run import loading, train
+from nested.run.loading import Trained
+
+KEY = "test-key-0123"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The tiny companion config trained a few steps."""
+    path = tmp_path_factory.mktemp("companion")
+    train.train_and_evaluate(tiny_configs.config("companion"), path)
+    return path
+
+
+class Server(ServerProcess):
+    """The server process; ``request`` talks to it with the API key by default."""
+
+    def request(self, method, path, body=None, *, key=KEY, raw=None):
+        client = Client(self.client.base, key)
+        return client.request(method, path, body, raw=raw)
+
+    def kill(self, sig=signal.SIGKILL):
+        self.stop(sig)
+
+
+@pytest.fixture(scope="module")
+def server(workdir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("served")
+    key_file = directory / "key"
+    key_file.write_text(KEY + "\n")
+    served = Server(workdir, directory / "agents.sqlite", api_key_file=key_file, max_batch=64)
+    yield served
+    served.kill(signal.SIGTERM)
+
+
+def replay(workdir, tmp_path, events: dict[str, list[list[int]]]):
+    """Each agent's events observed in order through the Python API on a fresh store:
+    ``{agent: state}``."""
+    companion = Companion.open(workdir, tmp_path / "replay.sqlite")
+    rounds = max(len(e) for e in events.values())
+    for r in range(rounds):
+        companion.observe({a: e[r] for a, e in events.items() if r < len(e)})
+    states, _, errors = companion.states(list(events))
+    assert not errors
+    return companion, states
+
+
+def served_state(server, companion, agent):
+    status, data = server.request("GET", f"/agents/{agent}/export")
+    assert status == 200, data
+    content = serialization.msgpack_restore(data)
+    return serialization.from_state_dict(companion.template, content["state"])
+
+
+def assert_states_close(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+
+
+def tokens(seed, events=2):
+    """``events`` events of the tiny task (4 tokens each: 3 features, a label)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(events):
+        out += (1 + rng.choice(8, 3, replace=False)).tolist() + [int(9 + rng.integers(4))]
+    return out
+
+
+def test_agents_are_isolated_and_bad_input_writes_nothing(server):
+    assert server.request("POST", "/agents/b/observe", {"tokens": tokens(1)})[0] == 200
+    before = server.request("GET", "/agents/b/export")[1]
+    status, body = server.request("POST", "/agents/a/observe", {"tokens": tokens(2)})
+    assert status == 200 and body == {"agent_id": "a", "tokens": 8}
+    weird = ["", "..%2Fb", "b%2F..%2Fa", "%C3%A9t%C3%A9", "a" * 10_000, "b.sqlite", "b%00"]
+    for agent in weird:
+        status, body = server.request("POST", f"/agents/{agent}/observe", {"tokens": tokens(3)})
+        assert 400 <= status < 500, (agent, status)
+        status, _ = server.request("GET", f"/agents/{agent}/export")
+        assert 400 <= status < 500, (agent, status)
+    bad = [
+        ({"tokens": [1, 2, 99, 9]}, 422, "token ids in [1, 99], outside [0, 13)"),
+        ({"tokens": [[1, 2, 3, 9]]}, 422, "tokens.0"),
+        ({"tokens": []}, 422, "tokens"),
+        ({"token": [1]}, 422, "tokens: Field required"),
+    ]
+    for body, status, message in bad:
+        got, answer = server.request("POST", "/agents/b/observe", body)
+        assert got == status and message in answer["error"] and "\n" not in answer["error"]
+    nan = b'{"tokens": [1, NaN, 3, 9]}'
+    assert server.request("POST", "/agents/b/observe", raw=nan)[0] == 422
+    # A body announced over the limit is refused before it is read (headers only sent here:
+    # a client still writing a body the server refused may see the connection closed).
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.putrequest("POST", "/agents/b/observe")
+    connection.putheader("content-type", "application/json")
+    connection.putheader("content-length", str(2 << 20))
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413 and "limit" in json.loads(response.read())["error"]
+    connection.close()
+    assert server.request("POST", "/agents/b/observe", {"tokens": tokens(4)}, key=None)[0] == 401
+    assert server.request("POST", "/agents/b/observe", {"tokens": tokens(4)}, key="nope")[0] == 401
+    assert server.request("GET", "/agents/b/export")[1] == before  # bitwise
+    status, fresh = server.request("POST", "/agents/nobody/recall", {"queries": [[1, 2, 3]]})
+    assert status == 200 and len(fresh["tokens"][0]) == 5 and abs(sum(fresh["probs"][0])) <= 1
+    assert server.request("GET", "/agents/nobody")[1]["tokens"] == 0  # recall wrote nothing
+
+
+def test_many_concurrent_clients_lose_no_update(server, workdir, tmp_path):
+    agents = [f"load-{i}" for i in range(200)]
+    events = {a: [tokens(100 * i + r) for r in range(3)] for i, a in enumerate(agents)}
+    errors = []
+
+    def client(mine):
+        for r in range(3):
+            for a in mine:
+                status, body = server.request(
+                    "POST", f"/agents/{a}/observe", {"tokens": events[a][r]}
+                )
+                if status != 200:
+                    errors.append((a, status, body))
+
+    threads = [threading.Thread(target=client, args=(agents[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    companion, expected = replay(workdir, tmp_path, events)
+    for a in agents[::7]:
+        assert server.request("GET", f"/agents/{a}")[1]["tokens"] == 24
+        assert_states_close(served_state(server, companion, a), expected[a])
+
+
+def test_a_killed_server_keeps_every_acknowledged_observe(workdir, tmp_path):
+    store = tmp_path / "agents.sqlite"
+    served = Server(workdir, store)
+    assert served.request("POST", "/agents/victim/observe", {"tokens": tokens(9)})[0] == 200
+    agents = [f"k{i}" for i in range(6)]
+    events = {a: [tokens(1000 * i + r) for r in range(40)] for i, a in enumerate(agents)}
+    acked = dict.fromkeys(agents, 0)
+
+    def client(agent):
+        for r, observed in enumerate(events[agent]):
+            try:
+                path = f"/agents/{agent}/observe"
+                status, _ = served.request("POST", path, {"tokens": observed})
+            except OSError:
+                return
+            if status != 200:
+                return
+            acked[agent] = r + 1
+
+    threads = [threading.Thread(target=client, args=(a,)) for a in agents]
+    for t in threads:
+        t.start()
+    while sum(acked.values()) < 30:
+        time.sleep(0.05)
+    served.kill(signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    with sqlite3.connect(store) as db:  # damage one row while the server is down
+        db.execute("UPDATE agents SET state = substr(state, 1, 40) WHERE id = 'victim'")
+    restarted = Server(workdir, store)
+    try:
+        stored = {a: restarted.request("GET", f"/agents/{a}")[1]["tokens"] for a in agents}
+        for a in agents:  # whole observes only; at least every acknowledged one
+            assert stored[a] % 8 == 0 and stored[a] // 8 >= acked[a], (a, stored[a], acked[a])
+        prefix = {a: events[a][: stored[a] // 8] for a in agents if stored[a]}
+        companion, expected = replay(workdir, tmp_path, prefix)
+        for a in prefix:
+            assert_states_close(served_state(restarted, companion, a), expected[a])
+        # The damaged row fails its agent's requests with a clear error; the others are served.
+        status, body = restarted.request("POST", "/agents/victim/observe", {"tokens": tokens(7)})
+        assert status == 409 and "'victim'" in body["error"] and "damaged" in body["error"]
+        assert restarted.request("POST", "/agents/victim/recall", {"queries": [[1]]})[0] == 409
+        assert restarted.request("POST", "/agents/k1/observe", {"tokens": tokens(7)})[0] == 200
+    finally:
+        restarted.kill(signal.SIGTERM)
+
+
+def test_the_python_api_refuses_another_models_state(workdir, tmp_path):
+    companion = Companion.open(workdir, tmp_path / "a.sqlite")
+    companion.observe({"a": tokens(1)})
+    data = companion.export_agent("a")
+    content = serialization.msgpack_restore(data)
+    content["fingerprint"] = json.dumps({"architecture": "0" * 16, "step": 8})
+    with pytest.raises(CompanionError, match="written by another model"):
+        companion.import_agent("b", serialization.msgpack_serialize(content))
+    with pytest.raises(CompanionError, match="agent id '../a' is not valid"):
+        companion.observe({"../a": tokens(1)})
+    with pytest.raises(CompanionError, match=r"token ids in \[99, 99\], outside \[0, 13\)"):
+        companion.observe({"a": [99]})
+    store = SQLiteStore(tmp_path / "a.sqlite")
+    assert store.count() == 1 and os.path.exists(tmp_path / "a.sqlite")
+
+
+def test_consolidate_applies_what_a_longer_period_accumulated(tmp_path):
+    config = tiny_configs.config("companion")
+    config.model.cms = ("fast_cms", "slow_cms")
+    config.levels.fast_cms = nc.level_config("cms", every=4, persist="stream", lr=0.1)
+    config.levels.slow_cms = nc.level_config("cms", every=8, persist="stream", lr=0.1)
+    exp = nc.build(config)
+    companion = Companion(Trained(exp, train.init_state(exp), 0), SQLiteStore(tmp_path / "s"))
+    assert companion.period == 4
+    companion.observe({"a": tokens(1, events=1)})  # 4 tokens: slow_cms has 4 pending
+    before = companion.states(["a"])[0]["a"]
+    companion.consolidate(["a"])
+    after = companion.states(["a"])[0]["a"]
+    fast_before, slow_before = before[0]["cms"]
+    fast_after, slow_after = after[0]["cms"]
+    jax.tree.map(np.testing.assert_array_equal, fast_before.params, fast_after.params)
+    assert not np.allclose(slow_before.params[0]["w"], slow_after.params[0]["w"])
+    assert int(slow_after.cache.tick[0]) == 0 and not np.any(slow_after.cache.accum[0]["w"])
+    with pytest.raises(CompanionError, match="no level that consolidates"):
+        plain = nc.build(tiny_configs.config("companion"))
+        Companion(
+            Trained(plain, train.init_state(plain), 0), SQLiteStore(tmp_path / "t")
+        ).consolidate(["a"])
+
+
+def test_retrieval_and_oracle_baselines():
+    memory = study.Retrieval(capacity=2, k=1, recency=None)
+    keys = np.eye(3)
+    for key, answer in zip(keys, (0, 1, 2), strict=True):
+        memory.add(key, answer)
+    assert memory.predict(keys[2], 3) == 2 and memory.predict(keys[1], 3) == 1
+    assert memory.predict(keys[0], 3) != 0  # evicted: only the 2 newest are kept
+    recent = study.Retrieval(capacity=None, k=2, recency=1.0)
+    recent.add(keys[0], 0)
+    recent.add(keys[0], 1)  # the same key later: its answer weighs more
+    assert recent.predict(keys[0], 2) == 1
+    companion_task = nc.build(tiny_configs.config("companion")).task
+    agent = companion_task.agent(0, 0)
+    inputs = companion_task.draw_inputs(np.random.default_rng(0), 200)
+    answers = companion_task.answers(agent.rule, inputs)
+    w = study.fit_oracle(companion_task, inputs, answers, steps=500)
+    x = np.concatenate([study._one_hot(companion_task, inputs), np.ones((200, 1))], axis=1)
+    assert np.mean(np.argmax(x @ w.T, axis=1) == answers) > 0.9
+
+
+def test_the_study_runs_every_method_session_by_session(workdir):
+    trained = loading.load_trained(workdir)
+    settings = study.Settings(agents=4, queries=4, latency_agents=4, latency_runs=1)
+    result = study.run(trained, settings)
+    sessions = trained.experiment.task.sessions
+    assert set(result["sessions"]) == set(study.METHODS)
+    for rows in result["sessions"].values():
+        for name in ("novel", "facts", "stale", "regret"):
+            assert len(rows[name]["mean"]) == sessions
+        assert np.all(np.diff(rows["regret"]["mean"]) >= 0)  # cumulative
+        assert rows["stale"]["mean"][0] == 0  # no drift yet in session 1
+    assert result["bytes"]["knn_capacity"] == result["bytes"]["companion"] // (4 * 16 + 4)
+    assert result["latency"]["observe_s"] > 0
+    assert "companion: novel accuracy by session" in study.format_summary(result)
