@@ -1,4 +1,4 @@
-"""Scaling of one training step with the sequence length, and 1 vs 8 devices.
+"""Scaling of one training step with the sequence length, and over devices and processes.
 
     .venv/bin/python benchmarks/scaling.py [--lengths 1024 4096 16384] [--rules delta gdn2] \
         [--batch 1] [--dim 256] [--heads 4]
@@ -7,9 +7,10 @@
 For each rule and length T: the compiled temporary memory of one jitted training step
 (``jax.jit(step).lower(...).compile().memory_analysis().temp_size_in_bytes``), its ratio to the
 smallest T's (linear growth means the ratio tracks T), and tokens/s (median of runs after a
-warm-up). Then the loss difference between a training run on 1 device and on 8 simulated CPU
-devices (a subprocess with ``--xla_force_host_platform_device_count=8``), measured in the same
-job. Prints markdown tables and writes them into this benchmark's section of
+warm-up). Then the losses and step time of one training run on 1 device, on 8 simulated CPU
+devices of one process (``--xla_force_host_platform_device_count=8``), and on 2 processes of 4
+devices each (``python -m nested.launch``, gloo collectives over loopback), measured in the
+same job. Prints markdown tables and writes them into this benchmark's section of
 benchmarks/README.md (``--no-write``: printed only).
 """
 
@@ -59,42 +60,50 @@ def measure(rule: str, T: int, args: argparse.Namespace) -> dict:
 
 
 DEVICE_SCRIPT = """
-import json, sys
-import jax, optax
+import json, sys, time
+import jax, numpy as np, optax
 import nested as nl
-from nested.run import sharding
+from nested.run import distributed, sharding
 from nested.nn.models import MemoryLM
-devices = int(sys.argv[1])
+devices, flags = int(sys.argv[1]), dict(a[2:].split("=") for a in sys.argv[2:])
+if flags:  # started by nested.launch: one of several processes
+    distributed.initialize(distributed.Settings(flags["coordinator_address"],
+        int(flags["num_processes"]), int(flags["process_id"])))
 memory = nl.recipes.delta(d_k=16, d_v=16)
 backbone = nl.Level("backbone",
     memory=lambda rngs: MemoryLM(memory, vocab=64, dim=64, heads=4, layers=2, rngs=rngs),
     objective=nl.objectives.next_token, update=optax.adam(3e-3), every="step")
 program = nl.compile(nl.NestedSystem([backbone, memory], owners={"memory": "backbone"}))
 mesh = sharding.make_mesh(data=devices, devices=jax.devices()[:devices])
-state = sharding.place(program.init(jax.random.key(0)), mesh)
+layout = sharding.Layout.of(jax.eval_shape(program.init, jax.random.key(0)), mesh)
+state = jax.jit(program.init, out_shardings=layout.state)(jax.random.key(0))
 train, _ = sharding.jit_steps(program, state, mesh)
-losses = []
-for i in range(20):
-    x = jax.random.randint(jax.random.key(i), (8, 129), 0, 64)
-    state, metrics = train(state, {"inputs": x[:, :-1], "targets": x[:, 1:]})
+losses, seconds, rows = [], [], layout.rows(8)
+for i in range(25):
+    x = np.random.default_rng(i).integers(0, 64, (8, 129)).astype(np.int32)
+    batch = layout.put({"inputs": x[rows, :-1], "targets": x[rows, 1:]}, 8)
+    began = time.perf_counter()
+    state, metrics = train(state, batch)
     losses.append(float(metrics["loss"]))
-print(json.dumps(losses))
+    seconds.append(time.perf_counter() - began)
+if distributed.is_primary():
+    print(json.dumps({"losses": losses[:20], "ms": 1e3 * float(np.median(seconds[5:]))}))
+distributed.finish()
 """
 
 
-def device_losses(devices: int) -> list[float]:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", DEVICE_SCRIPT, str(devices)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def device_run(devices: int, processes: int = 1) -> dict:
+    """Losses of 20 training steps and the median ms a step (after 5) on ``devices`` simulated
+    CPU devices, spread over ``processes`` processes (``nested.launch``, gloo collectives)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    line = [sys.executable, "-c", DEVICE_SCRIPT, str(devices)]
+    if processes > 1:
+        per_process = f"--devices_per_process={devices // processes}"
+        launcher = ["-m", "nested.launch", f"--num_processes={processes}", per_process, "--"]
+        line = [sys.executable, *launcher, *line]
+    else:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    out = subprocess.run(line, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -140,16 +149,26 @@ def main():
                 f"{T / args.lengths[0]:.0f} | {m['tokens_per_s']:,.0f} |"
             )
     if not args.no_devices:
-        one, eight = device_losses(1), device_losses(8)
-        diffs = [abs(a - b) for a, b in zip(one, eight, strict=True)]
+        layouts = {"1 device": (1, 1), "8 devices": (8, 1), "2 processes x 4 devices": (8, 2)}
+        runs = {name: device_run(*layout) for name, layout in layouts.items()}
+        one = runs["1 device"]["losses"]
         # Step 1 differs by summation order alone; later steps add Adam's amplification of it.
         out.print(
-            "\n| devices | loss, step 1 | loss, step 20 | abs difference vs 1 device: step 1 "
-            "| max over 20 steps |"
+            "\nA 2-layer LM (dim 64, delta memory), batch 8 x 128, 20 Adam steps, simulated "
+            "CPU devices; ms a step is the median after 5 (the processes share this machine's "
+            "cores)\n"
         )
-        out.print("|---|---|---|---|---|")
-        out.print(f"| 1 | {one[0]:.6f} | {one[-1]:.6f} | 0 | 0 |")
-        out.print(f"| 8 | {eight[0]:.6f} | {eight[-1]:.6f} | {diffs[0]:.1e} | {max(diffs):.1e} |")
+        out.print(
+            "| layout | loss, step 1 | loss, step 20 | abs difference vs 1 device: step 1 "
+            "| max over 20 steps | ms a step |"
+        )
+        out.print("|---|---|---|---|---|---|")
+        for name, run in runs.items():
+            diffs = [abs(a - b) for a, b in zip(one, run["losses"], strict=True)]
+            out.print(
+                f"| {name} | {run['losses'][0]:.6f} | {run['losses'][-1]:.6f} | "
+                f"{diffs[0]:.1e} | {max(diffs):.1e} | {run['ms']:.1f} |"
+            )
 
     if not args.no_write:
         out.write()

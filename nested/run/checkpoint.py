@@ -138,6 +138,11 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
+
+
 def _collect_abandoned_reads() -> None:
     """A restore (a failed one always, a successful one sometimes) leaves orbax's pending
     array reads to die at garbage collection, each printing an "Exception ignored" traceback;
@@ -157,10 +162,17 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        if self.directory.is_dir():  # before orbax lists them: incomplete step folders
-            for folder in sorted(self.directory.iterdir()):
-                if folder.name.isdigit() and not (folder / _ORBAX_METADATA).exists():
-                    self._set_aside(int(folder.name), f"no {_ORBAX_METADATA}: empty or incomplete")
+        # Before orbax lists them: incomplete step folders (every process lists the same).
+        _barrier("nested: listing checkpoints")
+        folders = sorted(self.directory.iterdir()) if self.directory.is_dir() else []
+        incomplete = [
+            int(folder.name)
+            for folder in folders
+            if folder.name.isdigit() and not (folder / _ORBAX_METADATA).exists()
+        ]
+        _barrier("nested: checkpoints listed")
+        for step in incomplete:
+            self._set_aside(step, f"no {_ORBAX_METADATA}: empty or incomplete")
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=_policies.FixedIntervalPolicy(every),
             preservation_policy=_policies.LatestN(keep),
@@ -240,11 +252,15 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, reason: str) -> None:
+        """Rename a damaged step ``<step>.damaged`` (process 0 renames, every process waits
+        for it: each found the same damage, reading the same files)."""
         folder = self.directory / str(step)
         aside = folder.with_name(f"{step}.damaged")
-        if aside.exists():
-            shutil.rmtree(aside)
-        folder.rename(aside)
+        if jax.process_index() == 0:
+            if aside.exists():
+                shutil.rmtree(aside)
+            folder.rename(aside)
+        _barrier(f"nested: checkpoint {step} set aside")
         if hasattr(self, "_manager"):
             self._manager.reload()
         logging.warning(

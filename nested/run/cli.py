@@ -36,9 +36,16 @@ from nested.core.guards import NonFiniteError
 from nested.run import config as config_lib
 from nested.run import train
 from nested.run.checkpoint import CheckpointError
+from nested.run.distributed import DistributedError
 from nested.run.memory_state import MemoryStateError
 
-USER_ERRORS = (config_lib.ConfigError, NonFiniteError, CheckpointError, MemoryStateError)
+USER_ERRORS = (
+    config_lib.ConfigError,
+    NonFiniteError,
+    CheckpointError,
+    MemoryStateError,
+    DistributedError,
+)
 CONFIG_FLAG = "config"
 WORKDIR_FLAG = "workdir"
 WORKDIR_SECTIONS = ("task", "train")  # what an override of a workdir's config may change

@@ -51,11 +51,16 @@ class MetricWriter:
     ``resume_step``: the step a resumed run continues from; records after it (written by the
     interrupted run after its last checkpoint) are dropped from the JSON lines, and
     TensorBoard is told to purge its events after it, so both hold one history.
+    ``write=False`` (processes other than 0 of a multi-process run): records are made and
+    returned, nothing is written.
     """
 
-    def __init__(self, workdir: str | Path, *, resume_step: int | None = None):
+    def __init__(self, workdir: str | Path, *, resume_step: int | None = None, write: bool = True):
         workdir = Path(workdir)
         self.path = workdir / METRICS_FILE
+        self.tensorboard = None
+        if not write:
+            return
         if resume_step is None:
             self.path.write_text("")
         else:
@@ -69,6 +74,8 @@ class MetricWriter:
 
     def write(self, step: int, split: str, values: Mapping[str, float]) -> dict:
         record = {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}}
+        if self.tensorboard is None:
+            return record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for name, value in values.items():
@@ -76,7 +83,8 @@ class MetricWriter:
         return record
 
     def close(self) -> None:
-        self.tensorboard.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def mean(values: Iterable[Mapping[str, float]], weights: Iterable[float] | None = None) -> dict:

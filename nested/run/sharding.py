@@ -134,10 +134,28 @@ def check_batch(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -> Non
 
 
 def describe(mesh: Mesh) -> str:
-    """``"data=4 x model=2 over 8 cpu devices"``."""
+    """``"data=4 x model=2 over 8 cpu devices"`` (``"... of 2 processes"`` when several)."""
     platform = mesh.devices.flat[0].platform
     axes = f"data={mesh.shape['data']} x model={mesh.shape['model']}"
-    return f"{axes} over {mesh.size} {platform} device(s)"
+    processes = len({d.process_index for d in mesh.devices.flat})
+    where = f" of {processes} processes" if processes > 1 else ""
+    return f"{axes} over {mesh.size} {platform} device(s){where}"
+
+
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> slice:
+    """The rows ``[start, stop)`` along ``axis`` of a global array of ``shape`` that this
+    process's devices hold under ``sharding`` (all of them in a single-process run); raises
+    ``ValueError`` if they are not one contiguous block."""
+    spans = sorted(
+        {
+            (index[axis].start or 0, shape[axis] if index[axis].stop is None else index[axis].stop)
+            for index in sharding.addressable_devices_indices_map(shape).values()
+        }
+    )
+    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+        if start != stop:
+            raise ValueError(f"this process's rows of a {shape} batch are not contiguous: {spans}")
+    return slice(spans[0][0], spans[-1][1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +176,20 @@ class Layout:
 
     def batch(self, *, stacked: bool = False) -> NamedSharding:
         return batch_sharding(self.mesh, stacked=stacked)
+
+    def rows(self, batch_size: int) -> slice:
+        """The rows of a global batch of ``batch_size`` sequences that this process feeds."""
+        return process_rows(self.batch(), (batch_size, 1), 0)
+
+    def put(self, arrays: Mapping[str, Any], batch_size: int, *, stacked: bool = False) -> dict:
+        """Global arrays of a batch from this process's rows of it (``arrays``, numpy, rows
+        :meth:`rows`; on axis 1 when ``stacked`` on a leading axis of steps)."""
+        sharding, axis = self.batch(stacked=stacked), 1 if stacked else 0
+        out = {}
+        for name, local in arrays.items():
+            shape = (*local.shape[:axis], batch_size, *local.shape[axis + 1 :])
+            out[name] = jax.make_array_from_process_local_data(sharding, local, shape)
+        return out
 
     @property
     def replicated(self) -> NamedSharding:

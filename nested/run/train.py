@@ -59,7 +59,7 @@ from nested import data
 from nested.core import guards
 from nested.core.scheduler import Program, State
 from nested.plasticity import alignment
-from nested.run import checkpoint, fingerprint, memory_state, metrics, sharding
+from nested.run import checkpoint, distributed, fingerprint, memory_state, metrics, sharding
 from nested.run import config as config_lib
 from nested.run.config import ConfigError, Experiment
 
@@ -108,12 +108,14 @@ def check_task(task) -> None:
             raise ConfigError(f"task: {error}") from error
 
 
-def stacked_batches(task, start: int, count: int, batch_size: int) -> dict[str, np.ndarray]:
+def stacked_batches(
+    task, start: int, count: int, batch_size: int, rows: slice = slice(None)
+) -> dict[str, np.ndarray]:
     """Training batches ``start .. start + count - 1`` stacked on a leading axis (each
-    checked with :func:`check_arrays`)."""
+    checked with :func:`check_arrays`); of each only ``rows`` (a process's share)."""
     batches = [
-        data.as_arrays(task.batch(i, batch_size), extras=data.STREAM_EXTRAS)
-        for i in range(start, start + count)
+        {k: v[rows] for k, v in data.as_arrays(made, extras=data.STREAM_EXTRAS).items()}
+        for made in (task.batch(i, batch_size) for i in range(start, start + count))
     ]
     for i, arrays in enumerate(batches):
         check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
@@ -246,6 +248,7 @@ def evaluate(
     batch_size: int,
     splits: Iterable[str] | None = None,
     carry: bool = False,
+    layout: sharding.Layout | None = None,
 ) -> tuple[dict[str, dict[str, float]], object]:
     """Metrics per held-out split, averaged over ``batches`` batches weighted by the number
     of scored positions; and the final fast state.
@@ -253,7 +256,9 @@ def evaluate(
     ``carry=False``: every batch starts from ``state.fast`` (evaluation does not write into
     the run). ``carry=True`` (a session): the fast state carries from batch to batch, split
     after split, and the one it ends with is returned, so the model keeps learning.
+    ``layout``: the batches become global arrays of it, this process feeding its rows.
     """
+    rows = slice(None) if layout is None else layout.rows(batch_size)
     fast = state.fast
     results = {}
     for split in task.eval_splits if splits is None else splits:
@@ -261,7 +266,10 @@ def evaluate(
         for i in range(batches):
             made = task.batch(i, batch_size, split=split)
             batch = data.as_arrays(made, extras=(*data.STREAM_EXTRAS, "in_context"))
+            batch = {k: v[rows] for k, v in batch.items()}
             check_arrays(batch, task.vocab_size, f"task {task.name}: {split} batch {i}")
+            if layout is not None:
+                batch = layout.put(batch, batch_size)
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
             parts.append(jax.device_get(out))
             if carry:
@@ -347,10 +355,13 @@ def _record_config(config: config_dict.ConfigDict, workdir: Path, step: int) -> 
 def check_workdir(workdir: Path) -> None:
     """Raise :class:`ConfigError` naming ``workdir`` and the fix when it is a file or cannot be
     created or written to. It is created to find out, then removed again if it was new (with
-    the parents made for it): a run that fails to build leaves nothing behind."""
+    the parents made for it): a run that fails to build leaves nothing behind. (Not in a
+    multi-process run: the processes check it side by side, and it stays.)"""
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"workdir {workdir} is a file; pass a folder (new or of this run)")
     new = [path for path in (workdir, *workdir.parents) if not path.exists()]  # deepest first
+    if jax.process_count() > 1:
+        new = []
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=workdir).close()
@@ -444,8 +455,14 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     exp = config_lib.build(config)
     cfg, task, program = exp.config.train, exp.task, exp.program
     plasticity = config_lib.plasticity_settings(exp.config)
+    if plasticity["every"] and jax.process_count() > 1:
+        raise ConfigError(
+            "plasticity.every runs in single-process runs only; set plasticity.every=0 and "
+            "measure a checkpoint with experiments/plasticity.py"
+        )
     check_task(task)
     layout = make_layout(exp)
+    primary = distributed.is_primary()
     workdir.mkdir(parents=True, exist_ok=True)
     logging.info("task: %s", task.describe())
     logging.info("system: %s", exp.system)
@@ -473,29 +490,39 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                         f"train.steps={cfg.steps} is below the step {step} of the checkpoint in "
                         f"{ckpt.directory}; set train.steps >= {step} or use a new workdir"
                     )
-            _record_config(exp.config, workdir, step)  # the run starts
-            writer = metrics.MetricWriter(workdir, resume_step=step if restored else None)
-            skipped = metrics.skipped(metrics.read(workdir)) or 0
+            # Counted before the writer drops the records past the checkpoint, from the
+            # ones up to it: every process counts the same.
+            records = metrics.read(workdir) if restored else []
+            skipped = metrics.skipped(r for r in records if r["step"] <= step) or 0
             skipped += sum(int(v.get("skipped", 0)) for v in window)
+            if primary:  # the run starts
+                _record_config(exp.config, workdir, step)
+            resume = step if restored else None
+            writer = metrics.MetricWriter(workdir, resume_step=resume, write=primary)
 
             # 3. Loop: one jitted call per `steps_per_call` outer steps.
             train_fn, eval_fn = make_train_fn(program, layout), make_eval_fn(program, layout)
             window_start, tokens = time.perf_counter(), 0
-            bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=None, file=sys.stderr)
+            show = None if primary else True  # tqdm: None shows it on a terminal
+            bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=show, file=sys.stderr)
+            rows = layout.rows(cfg.batch_size)  # this process's share of every batch
             first = min(cfg.steps_per_call, cfg.steps - step)
-            batches = stacked_batches(task, position, first, cfg.batch_size) if first > 0 else None
+            batches = None
+            if first > 0:
+                batches = stacked_batches(task, position, first, cfg.batch_size, rows)
             if plasticity["every"] and batches is not None:
                 check_alignment(program, state, batches)
                 alignment_fn = make_alignment_fn(program, plasticity["form"], plasticity["rows"])
             start_time = time.perf_counter()
             while step < cfg.steps:  # one iteration per jitted call
-                count, n_tokens = len(batches["inputs"]), batches["inputs"].size
+                count, length = batches["inputs"].shape[0], batches["inputs"].shape[-1]
+                n_tokens = count * cfg.batch_size * length
                 latest = {k: v[-1] for k, v in batches.items()}
-                state, out = train_fn(state, batches)
+                state, out = train_fn(state, layout.put(batches, cfg.batch_size, stacked=True))
                 position += count
                 following = min(cfg.steps_per_call, cfg.steps - step - count)
                 if following > 0:  # build the next batches while the device works
-                    batches = stacked_batches(task, position, following, cfg.batch_size)
+                    batches = stacked_batches(task, position, following, cfg.batch_size, rows)
                 out = jax.device_get(out)
                 for i in range(count):
                     values = {k: float(v[i]) for k, v in out.items()}
@@ -517,15 +544,16 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                     logging.info("step %d/%d: %s", step, cfg.steps, _fmt(record, shown))
                     window, window_start, tokens = [], time.perf_counter(), 0
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    _evaluate_and_log(eval_fn, state, task, cfg, writer, step)
+                    _evaluate_and_log(eval_fn, state, task, cfg, writer, step, layout)
                 if plasticity["every"] and step % plasticity["every"] == 0:
                     writer.write(step, metrics.PLASTICITY, alignment_fn(state, latest))
                 # The unfinished log window goes with the state, so a run resumed from any
                 # step logs the windows an uninterrupted one does.
                 saved = {"data_position": position, "extra": {"window": window}}
                 # Read the flag once: a SIGTERM landing between the save and the check must
-                # not stop the run with a checkpoint that was never forced.
-                stopping = stop.is_set() and step < cfg.steps
+                # not stop the run with a checkpoint that was never forced. Every process
+                # stops at the same step when any was signalled.
+                stopping = distributed.any_process(stop.is_set()) and step < cfg.steps
                 ckpt.save(step, state, force=step == cfg.steps or stopping, **saved)
                 if stopping:
                     ckpt.wait()
@@ -541,13 +569,17 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
             if writer is not None:
                 writer.close()
 
-    # 4. End: plot and summary.
+    # 4. End: plot and summary (process 0 writes; every process returns the summary).
+    distributed.barrier("nested: metrics written")
     records = metrics.read(workdir)
-    plot = metrics.plot(records, workdir / metrics.PLOT_FILE, title=_title(exp.config))
     result = metrics.summary(records)
-    result.update(plot=str(plot), train_seconds=train_seconds)
-    print(metrics.format_summary(result))
-    print(f"curves: {plot}")
+    result.update(train_seconds=train_seconds)
+    if primary:
+        plot = metrics.plot(records, workdir / metrics.PLOT_FILE, title=_title(exp.config))
+        result.update(plot=str(plot))
+        print(metrics.format_summary(result))
+        print(f"curves: {plot}")
+    distributed.finish()
     return result
 
 
@@ -594,9 +626,14 @@ def _window_means(window: list[dict[str, float]]) -> dict[str, float]:
     return values
 
 
-def _evaluate_and_log(eval_fn, state, task, cfg, writer, step) -> None:
+def _evaluate_and_log(eval_fn, state, task, cfg, writer, step, layout) -> None:
     results, _ = evaluate(
-        eval_fn, state, task, batches=cfg.eval_batches, batch_size=cfg.eval_batch_size
+        eval_fn,
+        state,
+        task,
+        batches=cfg.eval_batches,
+        batch_size=cfg.eval_batch_size,
+        layout=layout,
     )
     for split, values in results.items():
         record = writer.write(step, split, values)
@@ -646,6 +683,11 @@ def evaluate_workdir(
             f"a memory session needs a level with persist='stream'; levels {names} restart at "
             f"every sequence (set --config.levels.<name>.persist=stream and retrain)"
         )
+    if session and jax.process_count() > 1:
+        raise ConfigError(
+            "--load_memory/--save_memory: a memory session runs in one process; run eval.py "
+            "without the multi-process flags"
+        )
     if load_memory is not None:
         memory_state.read_meta(load_memory)
     check_task(exp.task)
@@ -662,6 +704,7 @@ def evaluate_workdir(
         batches=cfg.eval_batches,
         batch_size=cfg.eval_batch_size,
         carry=session,
+        layout=layout,
     )
     if save_memory is not None:
         memory_state.save(save_memory, fast, fingerprint=model)
@@ -675,7 +718,10 @@ def evaluate_workdir(
             f.write(json.dumps(result) + "\n")
     else:
         path = workdir / EVAL_FILE
-        write_atomic(path, json.dumps(result, indent=2) + "\n")
-    print(metrics.format_summary(result))
-    print(f"results: {path}")
+        if distributed.is_primary():
+            write_atomic(path, json.dumps(result, indent=2) + "\n")
+    if distributed.is_primary():
+        print(metrics.format_summary(result))
+        print(f"results: {path}")
+    distributed.finish()
     return result
