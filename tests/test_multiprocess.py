@@ -30,18 +30,15 @@ EVAL = str(ROOT / "experiments" / "eval.py")
 SAME_SPLIT, ONE_DEVICE = 1e-5, 1e-4  # relative tolerances (module docstring)
 
 
-def command(workdir, processes, devices, *extra, port=None):
+def command(workdir, processes, devices, *extra):
     """The command line training the tiny MQAR config in ``workdir`` on ``processes`` x
-    ``devices`` (through the launcher when there are several processes)."""
-    train = [TRAIN, *tiny_configs.flags("mqar"), f"--workdir={workdir}", *extra]
+    ``devices`` (through the launcher when there are several processes), logging every step."""
+    flags = tiny_configs.flags("mqar", train__log_every=1)
+    train = [TRAIN, *flags, f"--workdir={workdir}", *extra]
     if processes == 1:
         return [sys.executable, *train]
     launcher = [f"--num_processes={processes}", f"--devices_per_process={devices}"]
     return [sys.executable, "-m", "nested.launch", *launcher, "--", *train]
-
-
-def environment(devices):
-    return launch.environment(devices)
 
 
 def popen(line, **options):
@@ -50,7 +47,7 @@ def popen(line, **options):
 
 
 def start(workdir, processes, devices, *extra):
-    return popen(command(workdir, processes, devices, *extra), env=environment(devices))
+    return popen(command(workdir, processes, devices, *extra), env=launch.environment(devices))
 
 
 def losses(workdir):
@@ -82,7 +79,7 @@ def test_two_processes_train_like_one_process_and_resume_on_one(runs):
     assert_same_losses(runs["two_by_two"], runs["one_by_one"], ONE_DEVICE)
     # Process 0 alone writes the records, once each; the others' log lines say who they are.
     records = metrics.read(runs["two_by_two"])
-    assert len(records) == len({(r["step"], r["split"]) for r in records}) == 8
+    assert len(records) == len({(r["step"], r["split"]) for r in records}) == 8 + 2 * 2
     assert (runs["two_by_two"] / "curves.png").exists()
     _, out, err = runs["logs"]["two_by_two"]
     assert "[process 1/2] step 8/8" in err and "over 4 cpu device(s) of 2 processes" in err
@@ -135,7 +132,7 @@ def test_a_lost_process_stops_the_other_and_a_relaunch_resumes_exactly(tmp_path)
     reference = start(tmp_path / "reference", 1, 4, *longer)
     workdir, port = tmp_path / "run", launch.free_port()
     lines = launch.commands(command(workdir, 1, 2, *longer)[1:], 2, port)
-    env = environment(2)
+    env = launch.environment(2)
     logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]  # noqa: SIM115
     pairs = zip(lines, logs, strict=True)
     procs = [popen(line, env=env, stdout=log, stderr=log) for line, log in pairs]
