@@ -205,6 +205,19 @@ def test_an_unreachable_coordinator_fails_within_the_timeout():
     assert 2 <= time.monotonic() - began < 10
 
 
+def test_processes_started_with_different_configs_are_refused(tmp_path):
+    lines = launch.commands(command(tmp_path / "run", 1, 1)[1:], 2, launch.free_port())
+    lines[1].append("--config.model.dim=32")
+    env = launch.environment(1)
+    for rc, _, err in [finish(p) for p in [popen(line, env=env) for line in lines]]:
+        assert rc == 1
+        assert err.strip().splitlines()[-1] == (
+            "error: process(es) [1] of 2 were started with another config or --workdir than "
+            "process 0; start every process with the same command line (only the process "
+            "flags differ)"
+        )
+
+
 def test_a_batch_the_devices_of_all_processes_do_not_divide_is_refused(tmp_path):
     rc, _, err = finish(start(tmp_path / "run", 2, 2, "--config.train.batch_size=6"))
     assert rc == 1

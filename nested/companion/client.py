@@ -9,6 +9,7 @@ until it answers (the tests and ``benchmarks/companion_load.py`` use it).
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -31,7 +32,7 @@ class Client:
 
     def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None):
         """``(status, decoded JSON or bytes)`` of one call; HTTP errors are returned, not
-        raised (connection errors are)."""
+        raised (connection errors are, a response cut off as ``ConnectionError``)."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         headers = {"content-type": "application/json"}
         if self.api_key is not None:
@@ -42,6 +43,8 @@ class Client:
                 status, content = response.status, response.read()
         except urllib.error.HTTPError as error:
             status, content = error.code, error.read()
+        except http.client.HTTPException as error:  # a response cut off: a server killed
+            raise ConnectionError(f"{method} {path}: the response broke off ({error!r})") from error
         try:
             return status, json.loads(content)
         except ValueError:

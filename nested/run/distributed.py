@@ -30,6 +30,7 @@ What a cluster user expects when something goes wrong:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging as pylogging
 import os
 import socket
@@ -291,6 +292,24 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def check_same(text: str, what: str, fix: str) -> None:
+    """Raise :class:`DistributedError` on every process unless every process passed the same
+    ``text`` (a collective); the message names ``what``, the processes that differ from
+    process 0 and ``fix``."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(digest))
+    differ = [i for i in range(len(gathered)) if not np.array_equal(gathered[i], gathered[0])]
+    if differ:
+        raise DistributedError(
+            f"process(es) {differ} of {len(gathered)} were started with another {what} than "
+            f"process 0; {fix}"
+        )
 
 
 def barrier(name: str) -> None:

@@ -388,6 +388,15 @@ def check_run(workdir: str | Path) -> Path:
     return directory
 
 
+def _check_same_config(config: config_dict.ConfigDict, workdir: Path) -> None:
+    """Every process of a multi-process run must run the same loop on the same model."""
+    distributed.check_same(
+        f"{config.to_json_best_effort(sort_keys=True)}\n{workdir.absolute()}",
+        "config or --workdir",
+        "start every process with the same command line (only the process flags differ)",
+    )
+
+
 def restore_latest(
     exp: Experiment, directory: Path, layout: sharding.Layout | None = None
 ) -> checkpoint.Restored:
@@ -453,6 +462,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     workdir = Path(workdir)
     check_workdir(workdir)
     exp = config_lib.build(config)
+    _check_same_config(exp.config, workdir)
     cfg, task, program = exp.config.train, exp.task, exp.program
     plasticity = config_lib.plasticity_settings(exp.config)
     if plasticity["every"] and jax.process_count() > 1:
@@ -675,6 +685,7 @@ def evaluate_workdir(
     workdir = Path(workdir)
     directory = check_run(workdir)
     exp = config_lib.build(config if config is not None else load_workdir_config(workdir))
+    _check_same_config(exp.config, workdir)
     cfg = exp.config.train
     session = load_memory is not None or save_memory is not None
     if session and not exp.carries_fast:
