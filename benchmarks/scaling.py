@@ -7,10 +7,10 @@
 For each rule and length T: the compiled temporary memory of one jitted training step
 (``jax.jit(step).lower(...).compile().memory_analysis().temp_size_in_bytes``), its ratio to the
 smallest T's (linear growth means the ratio tracks T), and tokens/s (median of runs after a
-warm-up). Then the losses and step time of one training run on 1 device, on 8 simulated CPU
-devices of one process (``--xla_force_host_platform_device_count=8``), and on 2 processes of 4
-devices each (``python -m nested.launch``, gloo collectives over loopback), measured in the
-same job. Prints markdown tables and writes them into this benchmark's section of
+warm-up). Then the losses and step time of one training run on 1 device, on 2 and 8 simulated
+CPU devices of one process (``--xla_force_host_platform_device_count``), and on the same
+devices split over 2 processes (``python -m nested.launch``, gloo collectives over loopback),
+measured in the same job. Prints markdown tables and writes them into this benchmark's section of
 benchmarks/README.md (``--no-write``: printed only).
 """
 
@@ -149,7 +149,13 @@ def main():
                 f"{T / args.lengths[0]:.0f} | {m['tokens_per_s']:,.0f} |"
             )
     if not args.no_devices:
-        layouts = {"1 device": (1, 1), "8 devices": (8, 1), "2 processes x 4 devices": (8, 2)}
+        layouts = {
+            "1 device": (1, 1),
+            "2 devices": (2, 1),
+            "2 processes x 1 device": (2, 2),
+            "8 devices": (8, 1),
+            "2 processes x 4 devices": (8, 2),
+        }
         runs = {name: device_run(*layout) for name, layout in layouts.items()}
         one = runs["1 device"]["losses"]
         # Step 1 differs by summation order alone; later steps add Adam's amplification of it.

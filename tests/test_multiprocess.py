@@ -92,6 +92,21 @@ def test_two_processes_train_like_one_process_and_resume_on_one(runs):
     assert_same_losses(copy, runs["two_by_two"], ONE_DEVICE)
 
 
+def test_processes_started_as_slurm_starts_them_join_with_distributed(runs, tmp_path):
+    """``--distributed`` alone: JAX reads the process count, index and coordinator from the
+    variables ``srun`` sets (here on loopback); the run equals the launcher's."""
+    workdir, port = tmp_path / "run", launch.free_port()
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
+    line = [*command(workdir, 1, 2), "--distributed"]
+    procs = []
+    for i in range(2):
+        task = {"SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "JAX_COORDINATOR_PORT": str(port)}
+        procs.append(popen(line, env={**launch.environment(2), **slurm, **task}))
+    for rc, _, err in [finish(p) for p in procs]:
+        assert rc == 0, err[-3000:]
+    assert_same_losses(workdir, runs["two_by_two"], SAME_SPLIT)
+
+
 @pytest.mark.slow
 def test_one_process_resumes_on_two_and_two_evaluate(runs):
     copy = resumable_copy(runs["one_by_one"], runs["tmp"] / "one_then_two")

@@ -17,6 +17,8 @@ What a cluster user expects when something goes wrong:
 
 * **Bad flags** (a process id out of range, an address without a port) are refused before
   JAX starts, in one line (:class:`DistributedError`).
+* **Processes started differently** (another config or workdir on one host) are refused on
+  every process, naming the ones that differ (:func:`check_same`, before anything compiles).
 * **An unreachable coordinator** (process 0 not started, a wrong address) fails after
   ``timeout`` seconds with one line, instead of JAX's abort with a stack trace.
 * **A lost process**: every process beats a counter in the coordination service's key-value
