@@ -62,16 +62,29 @@ def assert_same_losses(a, b, rtol):
     np.testing.assert_allclose([a[k] for k in keys], [b[k] for k in keys], rtol=rtol)
 
 
+def srun_style(workdir, devices, *extra):
+    """The two processes of a run started as SLURM's ``srun`` starts them: ``--distributed``
+    and the variables ``srun`` sets (here for one node, loopback), which JAX reads."""
+    line, port = [*command(workdir, 1, devices, *extra), "--distributed"], launch.free_port()
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
+    env = {**launch.environment(devices), **slurm, "JAX_COORDINATOR_PORT": str(port)}
+    tasks = [{"SLURM_PROCID": f"{i}", "SLURM_LOCALID": f"{i}"} for i in (0, 1)]
+    return [popen(line, env={**env, **task}) for task in tasks]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The tiny MQAR run on 2 processes x 2 devices, 1 x 4 and 1 x 1, side by side."""
+    """The tiny MQAR run on 2 processes x 2 devices (started as ``srun`` starts them; the
+    launcher's runs are in the slow tests), 1 x 4 and 1 x 1, side by side."""
     tmp = tmp_path_factory.mktemp("multiprocess")
-    layouts = {"two_by_two": (2, 2), "one_by_four": (1, 4), "one_by_one": (1, 1)}
-    started = {name: start(tmp / name, *layout) for name, layout in layouts.items()}
-    done = {name: finish(process) for name, process in started.items()}
-    for name, (rc, _, err) in done.items():
-        assert rc == 0, f"{name}: {err[-3000:]}"
-    return {"tmp": tmp, **{name: tmp / name for name in layouts}, "logs": done}
+    layouts = {"one_by_four": (1, 4), "one_by_one": (1, 1)}
+    started = {name: [start(tmp / name, *layout)] for name, layout in layouts.items()}
+    started["two_by_two"] = srun_style(tmp / "two_by_two", 2)
+    done = {name: [finish(p) for p in processes] for name, processes in started.items()}
+    for name, results in done.items():
+        for rc, _, err in results:
+            assert rc == 0, f"{name}: {err[-3000:]}"
+    return {"tmp": tmp, **{name: tmp / name for name in started}, "logs": done}
 
 
 def test_two_processes_train_like_one_process_and_resume_on_one(runs):
@@ -81,30 +94,15 @@ def test_two_processes_train_like_one_process_and_resume_on_one(runs):
     records = metrics.read(runs["two_by_two"])
     assert len(records) == len({(r["step"], r["split"]) for r in records}) == 8 + 2 * 2
     assert (runs["two_by_two"] / "curves.png").exists()
-    _, out, err = runs["logs"]["two_by_two"]
-    assert "[process 1/2] step 8/8" in err and "over 4 cpu device(s) of 2 processes" in err
-    assert out.count("final evaluation at step 8") == 1
+    (_, out0, err0), (_, out1, err1) = runs["logs"]["two_by_two"]
+    assert "over 4 cpu device(s) of 2 processes" in err0 and "[process 1/2] step 8/8" in err1
+    assert "final evaluation at step 8" in out0 and "final evaluation" not in out1
     # 2 processes -> 1: the checkpoint of step 4 continues on one process, one device.
     copy = resumable_copy(runs["two_by_two"], runs["tmp"] / "two_then_one")
     rc, _, err = finish(start(copy, 1, 1))
     assert rc == 0, err[-3000:]
     assert "resumed from the checkpoint of step 4" in err
     assert_same_losses(copy, runs["two_by_two"], ONE_DEVICE)
-
-
-def test_processes_started_as_slurm_starts_them_join_with_distributed(runs, tmp_path):
-    """``--distributed`` alone: JAX reads the process count, index and coordinator from the
-    variables ``srun`` sets (here on loopback); the run equals the launcher's."""
-    workdir, port = tmp_path / "run", launch.free_port()
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
-    line = [*command(workdir, 1, 2), "--distributed"]
-    procs = []
-    for i in range(2):
-        task = {"SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "JAX_COORDINATOR_PORT": str(port)}
-        procs.append(popen(line, env={**launch.environment(2), **slurm, **task}))
-    for rc, _, err in [finish(p) for p in procs]:
-        assert rc == 0, err[-3000:]
-    assert_same_losses(workdir, runs["two_by_two"], SAME_SPLIT)
 
 
 @pytest.mark.slow
