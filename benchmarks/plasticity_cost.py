@@ -16,23 +16,13 @@ printed only).
 from __future__ import annotations
 
 import argparse
-import time
 
-import jax
 import numpy as np
 import report
+import timing
 
 from nested.run import config as nc
 from nested.run import train
-
-
-def seconds(fn, runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def measure(spec: str, runs: int) -> dict:
@@ -41,15 +31,12 @@ def measure(spec: str, runs: int) -> dict:
     batch = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
     one = {k: v[0] for k, v in batch.items()}
     step = train.make_train_fn(exp.program)
-    rows = nc.plasticity_settings(exp.config)["rows"]
+    rows = exp.plasticity["rows"]
     figures = train.make_alignment_fn(exp.program, "through_scan", rows)
     step_fn = lambda: step(state, batch)[1]
     align_fn = lambda: figures(state, one)
-    step_fn(), align_fn()  # compile both
-    step_s, align_s = [], []
-    for _ in range(runs):  # alternate, so both see the same machine load
-        step_s += seconds(step_fn, 1)
-        align_s += seconds(align_fn, 1)
+    # In turns, so both see the same machine load.
+    step_s, align_s = zip(*timing.paired_seconds((step_fn, align_fn), (), runs), strict=True)
     return {"step": float(np.median(step_s)), "alignment": float(np.median(align_s))}
 
 

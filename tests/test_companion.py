@@ -126,7 +126,9 @@ def test_agents_are_isolated_and_bad_input_writes_nothing(server):
     assert server.request("POST", "/agents/b/observe", {"tokens": tokens(4)}, key="nope")[0] == 401
     assert server.request("GET", "/agents/b/export")[1] == before  # bitwise
     status, fresh = server.request("POST", "/agents/nobody/recall", {"queries": [[1, 2, 3]]})
-    assert status == 200 and len(fresh["tokens"][0]) == 5 and abs(sum(fresh["probs"][0])) <= 1
+    probs = fresh["probs"][0]
+    assert status == 200 and len(set(fresh["tokens"][0])) == 5  # the top 5, distinct tokens
+    assert probs == sorted(probs, reverse=True) and probs[-1] > 0 and sum(probs) <= 1 + 1e-6
     assert server.request("GET", "/agents/nobody")[1]["tokens"] == 0  # recall wrote nothing
 
 
@@ -272,7 +274,6 @@ def test_the_study_runs_every_method_session_by_session(workdir):
     for rows in result["sessions"].values():
         for name in ("novel", "facts", "stale", "regret"):
             assert len(rows[name]["mean"]) == sessions
-        assert np.all(np.diff(rows["regret"]["mean"]) >= 0)  # cumulative
         assert rows["stale"]["mean"][0] == 0  # no drift yet in session 1
     assert result["bytes"]["knn_capacity"] == result["bytes"]["companion"] // (4 * 16 + 4)
     assert result["latency"]["observe_s"] > 0

@@ -45,6 +45,17 @@ def test_agents_restart_and_the_first_sequence_opens_with_the_rare_facts():
     np.testing.assert_array_equal(answers[2:], TASK.answers(TASK.agent(0, -1).rule, inputs[2:]))
 
 
+def test_agents_without_rare_facts_follow_their_rule_from_the_first_event():
+    task = data.CompanionTask(rare_facts=0)
+    agent = task.agent(0, 0)
+    assert agent.facts.shape == (0, task.features_per_input) and agent.fact_answers.shape == (0,)
+    batch = task.batch(0, 1)
+    k = task.features_per_input
+    events = batch.inputs[0].reshape(task.events, k + 1)
+    answers = events[:, k] - 1 - task.num_features
+    np.testing.assert_array_equal(answers, task.answers(agent.rule, events[:, :k] - 1))
+
+
 def test_the_drift_redraws_some_features_columns_only():
     task = data.CompanionTask(drift_fraction=0.25, drift_session=1)
     agent = task.agent(0, 0)

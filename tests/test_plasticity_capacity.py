@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_configs
 
 from nested.learn import memories
 from nested.plasticity import capacity
+from nested.run import config as nc
+from nested.run import train
 
 
 def test_relative_change_of_a_known_pair():
@@ -195,3 +198,14 @@ def test_early_late_gap_numbers():
 def test_early_late_gap_errors(losses, early, match):
     with pytest.raises(ValueError, match=match):
         capacity.early_late_gap(losses, early=early)
+
+
+def test_dormant_units_of_a_model_with_an_mlp_memory():
+    """The whole path on a freshly built program (its first trace happens under the probe):
+    one figure per hidden layer, none dormant at tau=0, all below a huge tau."""
+    exp = nc.build(tiny_configs.config("continual", levels__memory__rule="ttt_mlp"))
+    state = exp.program.init(jax.random.key(0), batch_size=4)
+    batch = {k: v[0] for k, v in train.stacked_batches(exp.task, 0, 1, 4).items()}
+    args = (exp.program, state.params, state.fast, batch)
+    assert capacity.dormant_units(*args) == {"memory": [0.0]}  # depth 2: one hidden layer
+    assert capacity.dormant_units(*args, tau=10.0) == {"memory": [1.0]}

@@ -43,6 +43,7 @@ from flax import serialization
 from nested.companion.store import DamagedState, Record, SQLiteStore, Store
 from nested.core import inner, outer_loss, probes
 from nested.core.level import LevelState
+from nested.run.sampling import stream_period
 
 AGENT_ID = "letters, digits, '_' and '-', 1 to 128 characters"
 MAX_TOKENS = 8192  # tokens per observe request
@@ -119,11 +120,8 @@ class Companion:
         self.fingerprint = json.dumps(trained.fingerprint, sort_keys=True)
         self.vocab = program.vocab
         self.max_batch, self.top_k = max_batch, top_k
-        # Observations are cut where the model can stop and go on exactly: at multiples of
-        # every local level's period and of the span outer-loss levels run in.
-        local = [level.every for level in program.system.fast_levels if not level.learns_outer_loss]
-        spans = [level.every for level in program.system.fast_levels if level.learns_outer_loss]
-        self.period = math.lcm(*local, min(spans, default=1))
+        # Observations are cut where the model, learning, can stop and go on exactly.
+        self.period = stream_period(program, self.params, learning=True)
         self.template = jax.tree.map(
             np.asarray, jax.jit(lambda p: program.start_fast(p, 1))(self.params)
         )
@@ -321,8 +319,9 @@ class Companion:
         results = []
         for start in range(0, len(rows), self.max_batch):
             results += self._recall_rows(rows[start : start + self.max_batch], states)
-        for a in states:
-            mine = [r for (agent, _), r in zip(rows, results, strict=True) if agent == a]
+        start = 0
+        for a in states:  # the rows are grouped by agent, in this order
+            mine, start = results[start : start + len(checked[a])], start + len(checked[a])
             out[a] = {key: [r[key] for r in mine] for key in ("tokens", "probs", "readout")}
         return out
 

@@ -10,9 +10,10 @@ OpenAPI docs at ``/docs``. Endpoints (JSON unless said otherwise):
 * ``GET /agents/{agent_id}``: tokens observed; ``DELETE /agents/{agent_id}``: forget;
 * ``GET /agents/{agent_id}/export`` (bytes) and ``PUT /agents/{agent_id}/import`` (bytes).
 
-Requests are queued and run by one worker thread in **batches** (consecutive requests of one
-kind, each agent at most once per batch, so an agent's requests run in the order they arrived):
-one jitted call for many agents. A response is sent once its batch is committed to the store,
+Requests are queued and run by one worker thread: observes and recalls in **batches**
+(consecutive requests of one kind, each agent at most once per batch: one jitted call for many
+agents), every other request alone, so an agent's requests run in the order they arrived and
+never race with each other. A response is sent once its batch is committed to the store,
 so an acknowledged observe survives the process being killed. Bad input gets a 4xx with a
 one-line ``{"error": ...}`` and writes nothing: an invalid agent id (400), token ids outside
 the vocabulary or a malformed body (422), a body over the size limit (413), a missing or
@@ -45,6 +46,7 @@ from nested.companion.engine import (
 )
 
 MAX_BODY = 1 << 20  # bytes of a request body
+ALONE = "alone"  # the kind of a queued request that runs by itself: its payload is a callable
 
 
 class Observation(BaseModel):
@@ -88,7 +90,7 @@ class Batcher:
             batch, agents = [], set()
             while self.queue and len(batch) < self.companion.max_batch:
                 kind, agent_id = self.queue[0][:2]
-                if (batch and kind != batch[0][0]) or agent_id in agents:
+                if batch and (kind != batch[0][0] or kind == ALONE or agent_id in agents):
                     break
                 batch.append(self.queue.popleft())
                 agents.add(agent_id)
@@ -100,6 +102,13 @@ class Batcher:
             if not batch:
                 return
             kind = batch[0][0]
+            if kind == ALONE:
+                _, _, call, future = batch[0]
+                try:
+                    future.set_result(call())
+                except Exception as error:  # noqa: BLE001 - the request learns of it
+                    future.set_exception(error)
+                continue
             run = self.companion.observe if kind == "observe" else self.companion.recall
             try:
                 results = run({agent_id: payload for _, agent_id, payload, _ in batch})
@@ -171,6 +180,11 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
             return _error(409, result["error"])
         return {"agent_id": agent_id, **result}
 
+    async def alone(agent_id: str, call):
+        """``call()`` in the worker thread, in order with the agent's other requests."""
+        check_agent_id(agent_id)
+        return await asyncio.wrap_future(batcher.submit(ALONE, agent_id, call))
+
     guard = [Depends(authorized)]
 
     @app.get("/health")
@@ -195,27 +209,30 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/agents/{agent_id}/consolidate", dependencies=guard)
     async def consolidate(agent_id: str):
-        result = companion.consolidate([check_agent_id(agent_id)])[agent_id]
+        result = await alone(agent_id, lambda: companion.consolidate([agent_id])[agent_id])
         if "error" in result:
             return _error(409, result["error"])
         return {"agent_id": agent_id, **result}
 
     @app.get("/agents/{agent_id}", dependencies=guard)
     async def describe(agent_id: str):
-        return {"agent_id": agent_id, "tokens": companion.tokens_observed(agent_id)}
+        tokens = await alone(agent_id, lambda: companion.tokens_observed(agent_id))
+        return {"agent_id": agent_id, "tokens": tokens}
 
     @app.delete("/agents/{agent_id}", dependencies=guard)
     async def forget(agent_id: str):
-        return {"agent_id": agent_id, "forgotten": companion.forget(agent_id)}
+        forgotten = await alone(agent_id, lambda: companion.forget(agent_id))
+        return {"agent_id": agent_id, "forgotten": forgotten}
 
     @app.get("/agents/{agent_id}/export", dependencies=guard)
     async def export(agent_id: str):
-        data = companion.export_agent(agent_id)
+        data = await alone(agent_id, lambda: companion.export_agent(agent_id))
         return Response(data, media_type="application/octet-stream")
 
     @app.put("/agents/{agent_id}/import", dependencies=guard)
     async def import_(agent_id: str, request: Request):
-        tokens = companion.import_agent(agent_id, await request.body())
+        data = await request.body()
+        tokens = await alone(agent_id, lambda: companion.import_agent(agent_id, data))
         return {"agent_id": agent_id, "tokens": tokens}
 
     return app

@@ -30,6 +30,7 @@ service at ``agents`` agents. Intervals are 95% bootstrap intervals over agents.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +149,12 @@ def run(trained, settings: Settings = Settings(), progress: Callable[[], None] =
     """The study (module docstring) of the trained companion run ``trained``: a JSON-able dict
     ``{"settings", "bytes", "sessions": {method: {metric: [per session]}}, "summary",
     "latency"}``."""
+    with tempfile.TemporaryDirectory() as folder:  # the companion's store, for its latency
+        companion = Companion(trained, SQLiteStore(f"{folder}/latency.sqlite"))
+        return _study(trained, companion, settings, progress)
+
+
+def _study(trained, companion: Companion, settings: Settings, progress) -> dict[str, Any]:
     base = trained.experiment.task
     task = dataclasses.replace(base, seed=base.seed + settings.agent_seed)
     N, S, L = settings.agents, task.sessions, task.num_labels
@@ -155,7 +162,7 @@ def run(trained, settings: Settings = Settings(), progress: Callable[[], None] =
     agents = [task.agent(r, 0) for r in range(N)]
     rng = np.random.default_rng(task.seed)
     shown: list[set] = [set() for _ in range(N)]
-    capacity = agent_bytes(_companion(trained)) // (4 * model.embedding.shape[1] + 4)
+    capacity = agent_bytes(companion) // (4 * model.embedding.shape[1] + 4)
     knn = lambda capacity, recency: [
         Retrieval(capacity, settings.k, recency, settings.temperature) for _ in range(N)
     ]
@@ -218,7 +225,7 @@ def run(trained, settings: Settings = Settings(), progress: Callable[[], None] =
             row["stale"].append(stale if s >= task.drift_session else np.zeros(N))
             row["regret"].append(errors[method])
         progress()
-    return _report(task, settings, metrics, capacity, model, trained)
+    return _report(task, settings, metrics, capacity, companion)
 
 
 def _novel(task, rng, shown: set, count: int) -> np.ndarray:
@@ -253,13 +260,7 @@ def _answers(model, fast, fresh, stores, history, task, novel, facts) -> dict[st
     return out
 
 
-def _companion(trained) -> Companion:
-    import tempfile
-
-    return Companion(trained, SQLiteStore(tempfile.mkdtemp() + "/latency.sqlite"))
-
-
-def _report(task, settings, metrics, capacity, model, trained) -> dict[str, Any]:
+def _report(task, settings, metrics, capacity, companion: Companion) -> dict[str, Any]:
     sessions, summary = {}, {}
     for method, rows in metrics.items():
         sessions[method] = {}
@@ -275,7 +276,6 @@ def _report(task, settings, metrics, capacity, model, trained) -> dict[str, Any]
             }
         novel = np.stack(rows["novel"], axis=1)
         summary[method] = {"recover": _recovery(task, novel)}
-    companion = _companion(trained)
     return {
         "settings": dataclasses.asdict(settings),
         "task": dataclasses.asdict(task),

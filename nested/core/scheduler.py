@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from nested.core import guards, outer_loss
+from nested.core import guards, outer_loss, probes
 from nested.core.level import InitialState, Level, LevelState
 from nested.core.system import NestedSystem
 from nested.data.batch import Batch, as_arrays, check_arrays, check_tokens
@@ -167,7 +167,10 @@ class Program:
     def vocab(self) -> int:
         """V, the last dim of the model's logits ``(B, T, V)``: token ids lie in ``[0, V)``."""
         tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-        logits = jax.eval_shape(lambda p, x: self._forward(p, x)[0], self._abstract_params, tokens)
+        with probes.probing(None):  # a shape inference, not a call for a probe to measure
+            logits = jax.eval_shape(
+                lambda p, x: self._forward(p, x)[0], self._abstract_params, tokens
+            )
         return logits.shape[-1]
 
     def check_batch(self, batch: Mapping[str, Any] | Batch) -> dict[str, Any]:

@@ -146,8 +146,8 @@ class CompanionTask:
         rule, drifted = np.zeros((L, F)), np.zeros((L, F))
         rule[votes, np.arange(F)] = weights
         drifted[changed, np.arange(F)] = weights
-        facts = np.stack([np.sort(rng.choice(F, k, replace=False)) for _ in range(self.rare_facts)])
-        facts = facts.reshape(self.rare_facts, k)
+        drawn = [np.sort(rng.choice(F, k, replace=False)) for _ in range(self.rare_facts)]
+        facts = np.array(drawn, dtype=np.int64).reshape(self.rare_facts, k)  # rare_facts may be 0
         by_rule = self.answers(rule, facts)
         fact_answers = (by_rule + 1 + rng.integers(0, L - 1, size=by_rule.shape)) % L
         return Agent(rule, drifted, facts, fact_answers)

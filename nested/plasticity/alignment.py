@@ -363,11 +363,12 @@ def _by_position(rs: list[UpdateAlignment]) -> dict[str, list]:
     """Means over rows, heads and calls of each position's measured updates."""
     positions = sorted({int(p) for r in rs for p in r.position})
     table = {p: {"cos_local": [], "cos_update": [], "local": []} for p in positions}
-    for r in rs:
+    for r in rs:  # the properties compute over every update: once per result
+        values = {name: getattr(r, name) for name in ("cos_local", "cos_update", "local")}
+        measured = r.measured
         for u, p in enumerate(r.position):
-            keep = r.measured[..., u]
-            for name in ("cos_local", "cos_update", "local"):
-                table[int(p)][name].append(getattr(r, name)[..., u][keep])
+            for name, value in values.items():
+                table[int(p)][name].append(value[..., u][measured[..., u]])
     means = {
         name: [_mean(np.concatenate(table[p][name])) for p in positions]
         for name in ("cos_local", "cos_update", "local")

@@ -235,40 +235,54 @@ class _Keys:
         return o, state
 
 
-def dormant_units(program, params, fast, batch, *, tau: float = 0.0) -> dict[str, list[float]]:
-    """Per MLP-memory level with a local objective, the fraction of tau-dormant hidden units
-    (:func:`dormant_fraction`, each hidden layer) of the state it reaches on ``batch`` from
-    ``fast``, on that batch's keys; means over memories and calls. Levels without hidden units
-    or that cannot be probed (run inside a scan of the model) are left out."""
+def dormant_units_fn(program, *, tau: float = 0.0):
+    """``(params, fast, batch) -> {level: (layers,) array}``, jitted: per MLP-memory level with
+    a local objective, the fraction of tau-dormant hidden units (:func:`dormant_fraction`,
+    each hidden layer) of the state it reaches on ``batch`` from ``fast``, on that batch's
+    keys; means over memories and calls. None when no level has hidden units."""
     names = set()
     for level in program.system.fast_levels:
         mlp = getattr(level.memory, "memory", level.memory)
         if isinstance(mlp, memories.MLP) and mlp.depth > 1 and not level.learns_outer_loss:
             names.add(level.name)
     if not names:
-        return {}
-    recorder = _Keys(names)
+        return None
 
+    @jax.jit
     def run(params, fast, batch):
+        recorder = _Keys(names)
         fast = program.start_fast(params, batch["inputs"].shape[0], fast)
         with probes.probing(recorder):
             program.apply(params, batch["inputs"], fast)
-        return recorder.calls
+        out: dict[str, list] = {}
+        for name, keys, end in recorder.calls:
+            memory = program.system[name].memory
 
+            def one(p, k, memory=memory):  # one memory: p without lead dims, k (T, d_k)
+                layers = hidden_activations(memory, p, k)
+                return jnp.stack([dormant_fraction(h, tau) for h in layers])
+
+            per_memory = jax.vmap(jax.vmap(one, in_axes=(0, 1)))(end, keys)  # (B, H, layers)
+            out.setdefault(name, []).append(jnp.mean(per_memory, axis=(0, 1)))
+        return {name: jnp.mean(jnp.stack(v), axis=0) for name, v in out.items()}
+
+    return run
+
+
+def dormant_units(program, params, fast, batch, *, tau: float = 0.0) -> dict[str, list[float]]:
+    """:func:`dormant_units_fn` once: ``{level: fraction per hidden layer}``; levels without
+    hidden units or that cannot be probed (run inside a scan of the model) are left out."""
+    return _dormant(dormant_units_fn(program, tau=tau), params, fast, batch)
+
+
+def _dormant(fn, params, fast, batch) -> dict[str, list[float]]:
+    if fn is None:
+        return {}
     try:
-        calls = jax.jit(run)(params, fast, {k: batch[k] for k in ("inputs", "targets", "mask")})
+        out = fn(params, fast, {k: batch[k] for k in ("inputs", "targets", "mask")})
     except ValueError:  # a level the model runs inside a scan: nothing to measure call by call
         return {}
-    out: dict[str, list] = {}
-    for name, keys, end in calls:
-        memory = program.system[name].memory
-
-        def one(p, k):  # one memory: p without lead dims, k (T, d_k)
-            return jnp.stack([dormant_fraction(h, tau) for h in hidden_activations(memory, p, k)])
-
-        per_memory = jax.vmap(jax.vmap(one, in_axes=(0, 1)))(end, keys)  # (B, H, layers)
-        out.setdefault(name, []).append(np.asarray(jnp.mean(per_memory, axis=(0, 1))))
-    return {name: np.mean(v, axis=0).tolist() for name, v in out.items()}
+    return {name: np.asarray(v).tolist() for name, v in out.items()}
 
 
 def long_stream(
@@ -290,6 +304,7 @@ def long_stream(
     "first_session_loss", "early_late", "state_change", "dormant"}``."""
     program, params = deployment.program, deployment.params
     fast, index = deployment.fresh(), 0
+    dormant_fn = dormant_units_fn(program, tau=tau)  # compiled once for every phase
     phases, first, changes, dormant = [], [], [], []
     for _ in range(cycles):
         for task in tasks:
@@ -304,7 +319,7 @@ def long_stream(
                     losses = sum(p["loss"] for p in parts) / sum(p["count"] for p in parts)
                     first.append(losses)
                     changes.append(state_change(program, before, fast))
-                    dormant.append(dormant_units(program, params, before, batches[-1], tau=tau))
+                    dormant.append(_dormant(dormant_fn, params, before, batches[-1]))
     first = np.stack(first)  # (P, rows)
     return {
         "phases": phases,

@@ -15,6 +15,7 @@ the continual-learning matrix, the regret utility and the capacity over a stream
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -80,7 +81,6 @@ class Deployment:
                 f"persist='sequence'); set --config.levels.<name>.persist=stream and retrain"
             )
         self.program, self.params, self.batch_size = program, params, batch_size
-        self.carried = carried
         self._fresh = jax.jit(lambda params: program.start_fast(params, batch_size))
         self._step = jax.jit(self._run)
 
@@ -93,6 +93,12 @@ class Deployment:
 
     def fresh(self):
         return self._fresh(self.params)
+
+    def with_params(self, params) -> Deployment:
+        """This deployment with other slow weights, its compiled steps shared."""
+        other = copy.copy(self)
+        other.params = params
+        return other
 
     def step(self, fast, batch: Mapping[str, Any]):
         """One batch from ``fast``: ``(fast it leaves, row metrics as NumPy)``."""
@@ -118,15 +124,21 @@ class Deployment:
         return rates(self.step(fast, batch)[1] for batch in batches)
 
 
-def task_batches(task, batch_size: int) -> Callable[[int, int], dict]:
-    """``(task_id, index) -> batch`` of a task with task ids (``num_tasks``, splits
-    ``"task<k>"``); raises ``ValueError`` for a task without them."""
+def has_task_ids(task) -> bool:
+    """Whether ``task`` has task ids: ``num_tasks`` and a split ``"task<k>"`` for each."""
     count = getattr(task, "num_tasks", None)
-    if count is None or not all(f"task{k}" in task.eval_splits for k in range(count)):
+    return count is not None and all(f"task{k}" in task.eval_splits for k in range(count))
+
+
+def task_batches(task, batch_size: int) -> Callable[[int, int], dict]:
+    """``(task_id, index) -> batch`` of a task with task ids (:func:`has_task_ids`); raises
+    ``ValueError`` for a task without them."""
+    if not has_task_ids(task):
         raise ValueError(
             f"task {task.name!r} has no task ids (num_tasks and 'task<k>' splits), which the "
             f"continual-learning matrix needs; use windows of its stream instead (windows=...)"
         )
+    count = task.num_tasks
 
     def batch(task_id: int, index: int) -> dict:
         if not 0 <= task_id < count:

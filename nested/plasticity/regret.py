@@ -174,8 +174,10 @@ def slow_regret(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    deployed = Deployment(program, params, batch_size)  # compiled once for every weights
+
     def scored_sessions(weights) -> dict:
-        deployment = Deployment(program, weights, batch_size)
+        deployment = deployed.with_params(weights)
         out = {}
         for b in tasks:
             batches = [batch_of(b, SCORED + n) for n in range(session_length)]

@@ -31,7 +31,13 @@ import jax
 import numpy as np
 
 from nested.plasticity import alignment, capacity, regret, transfer
-from nested.plasticity.deployment import HELD_OUT, Deployment, stream_batches, task_batches
+from nested.plasticity.deployment import (
+    HELD_OUT,
+    Deployment,
+    has_task_ids,
+    stream_batches,
+    task_batches,
+)
 
 PROTOCOLS = ("alignment", "transfer", "regret", "capacity")
 
@@ -64,11 +70,6 @@ def _held_out_task(task, agent_seed: int):
     return dataclasses.replace(task, seed=task.seed + agent_seed) if hasattr(task, "seed") else task
 
 
-def _has_task_ids(task) -> bool:
-    count = getattr(task, "num_tasks", None)
-    return count is not None and all(f"task{k}" in task.eval_splits for k in range(count))
-
-
 def check(trained, settings: Settings, *, explicit: bool) -> dict[str, str]:
     """The protocols of ``settings`` this run cannot answer, with why. ``explicit``: the user
     named the protocols, so any of them that cannot run raises :class:`PlasticityError`."""
@@ -83,7 +84,7 @@ def check(trained, settings: Settings, *, explicit: bool) -> dict[str, str]:
             "retrain with --config.levels.<name>.persist=stream"
         )
         skipped.update({p: why for p in ("transfer", "regret", "capacity")})
-    if not _has_task_ids(task):
+    if not has_task_ids(task):
         why = f"task {task.name!r} has no task ids (num_tasks, 'task<k>' splits)"
         skipped.update({p: why for p in ("regret", "capacity") if p not in skipped})
     skipped = {p: why for p, why in skipped.items() if p in settings.protocols}
@@ -110,7 +111,7 @@ def run(
     program, params = trained.program, trained.state.params
     task = _held_out_task(trained.experiment.task, settings.agent_seed)
     B = settings.batch_size
-    ids = _has_task_ids(task)
+    ids = has_task_ids(task)
     tasks = list(settings.tasks or range(getattr(task, "num_tasks", 0)))
     batch_of = task_batches(task, B) if ids else None
     out: dict[str, Any] = {
@@ -189,14 +190,14 @@ def _alignment(trained, task, tasks, batch_of, settings: Settings, progress) -> 
     start = jax.jit(lambda params: program.start_fast(params, B))
 
     @functools.cache
-    def compiled(form: str, later: bool):
+    def compiled(form: str):
         def measure(p, b, f, fu):
             return alignment.measure_program(program, p, b, fast=f, future=fu, form=form)
 
         return jax.jit(measure)
 
     def measured(params, form="through_scan", future=None):
-        J, results = compiled(form, future is not None)(params, batch, start(params), future)
+        J, results = compiled(form)(params, batch, start(params), future)
         progress()
         return float(J), alignment.to_numpy(results)
 
@@ -224,14 +225,15 @@ def _linearization(program, params, batch, start, settings: Settings) -> dict[st
     loss = lambda p, b, f: alignment.program_loss(program, p, b, f)
     calls = alignment.discover(loss, params, batch, fast)
     rng = np.random.default_rng(settings.seed)
+    first = calls[0]
     picks = [
         (
             0,
-            int(rng.integers(c.shape[0])),
-            int(rng.integers(c.shape[2])),
-            int(rng.integers(c.updates)),
+            int(rng.integers(first.shape[0])),
+            int(rng.integers(first.shape[2])),
+            int(rng.integers(first.updates)),
         )
-        for c in [calls[0]] * settings.linearization
+        for _ in range(settings.linearization)
     ]
     result = alignment.linearization(loss, params, batch, fast, removals=picks)
     return {"updates": picks, **result}

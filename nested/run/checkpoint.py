@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
+from nested.run import distributed
+
 _policies = ocp.checkpoint_managers
 _ORBAX_METADATA = "_CHECKPOINT_METADATA"  # written into every complete step folder
 
@@ -138,11 +140,6 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
-
-
 def _collect_abandoned_reads() -> None:
     """A restore (a failed one always, a successful one sometimes) leaves orbax's pending
     array reads to die at garbage collection, each printing an "Exception ignored" traceback;
@@ -163,14 +160,14 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
         self.directory = Path(directory).absolute()
         # Before orbax lists them: incomplete step folders (every process lists the same).
-        _barrier("nested: listing checkpoints")
+        distributed.barrier("nested: listing checkpoints")
         folders = sorted(self.directory.iterdir()) if self.directory.is_dir() else []
         incomplete = [
             int(folder.name)
             for folder in folders
             if folder.name.isdigit() and not (folder / _ORBAX_METADATA).exists()
         ]
-        _barrier("nested: checkpoints listed")
+        distributed.barrier("nested: checkpoints listed")
         for step in incomplete:
             self._set_aside(step, f"no {_ORBAX_METADATA}: empty or incomplete")
         options = ocp.CheckpointManagerOptions(
@@ -256,11 +253,11 @@ class Checkpointer:
         for it: each found the same damage, reading the same files)."""
         folder = self.directory / str(step)
         aside = folder.with_name(f"{step}.damaged")
-        if jax.process_index() == 0:
+        if distributed.is_primary():
             if aside.exists():
                 shutil.rmtree(aside)
             folder.rename(aside)
-        _barrier(f"nested: checkpoint {step} set aside")
+        distributed.barrier(f"nested: checkpoint {step} set aside")
         if hasattr(self, "_manager"):
             self._manager.reload()
         logging.warning(

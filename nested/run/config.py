@@ -45,14 +45,16 @@ OUTER = "model"  # name of the outermost level
 
 
 class Experiment(NamedTuple):
-    """A validated config, built: the task, the nested system, its compiled program, and the
-    outer learning-rate schedule ``step -> lr`` (for logging)."""
+    """A validated config, built: the task, the nested system, its compiled program, the
+    outer learning-rate schedule ``step -> lr`` (for logging) and the checked ``plasticity``
+    settings (:func:`plasticity_settings`)."""
 
     config: config_dict.ConfigDict
     task: data.Task
     system: NestedSystem
     program: Program
     schedule: Callable[[int], Any]
+    plasticity: dict[str, Any]
 
     @property
     def carries_fast(self) -> bool:
@@ -283,7 +285,7 @@ def build(config: config_dict.ConfigDict) -> Experiment:
             f"a segment inside each sequence; allowed: {schema.divisors(task.seq_len)}"
         )
     train = _check_train(config, carries_fast)
-    plasticity_settings(config)
+    plasticity = plasticity_settings(config)
     tx, schedule = _make_optimizer(config, train["steps"])
     hyper = _model_hyper(config, model, entry, slots, levels)
     factory = lambda rngs: entry.build(vocab=task.vocab_size, rngs=rngs, **hyper)
@@ -302,7 +304,7 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     program = schema.wrapped(
         "model", compile, system, skip_nonfinite=train["skip_nonfinite"], compute_dtype=compute
     )
-    return Experiment(config, task, system, program, schedule)
+    return Experiment(config, task, system, program, schedule, plasticity)
 
 
 if __name__ == "__main__":

@@ -122,10 +122,10 @@ def check(settings: Settings) -> tuple[str, int]:
             f"--coordinator_address={settings.coordinator_address!r} must be HOST:PORT "
             "(e.g. 127.0.0.1:1234), the address of process 0"
         )
-    for name in ("timeout", "heartbeat"):
-        if getattr(settings, name) < 1:
-            flag = {"timeout": "distributed_timeout", "heartbeat": "heartbeat_timeout"}[name]
-            raise DistributedError(f"--{flag}={getattr(settings, name)} must be >= 1 second")
+    limits = {"distributed_timeout": settings.timeout, "heartbeat_timeout": settings.heartbeat}
+    for flag, seconds in limits.items():
+        if seconds < 1:
+            raise DistributedError(f"--{flag}={seconds} must be >= 1 second")
     return host.strip("[]"), int(port)
 
 
@@ -197,8 +197,7 @@ def initialize(settings: Settings) -> None:
             ) from error
     _tag_logs(jax.process_index(), jax.process_count())
     if jax.process_count() > 1:
-        _watchdogs.append(Watchdog(settings.heartbeat))
-        _watchdogs[-1].start()
+        Watchdog(settings.heartbeat).start()
 
 
 def _tag_logs(index: int, count: int) -> None:
@@ -221,9 +220,7 @@ class Watchdog(threading.Thread):
 
     def __init__(self, heartbeat: float):
         super().__init__(name="nested-watchdog", daemon=True)
-        from jax._src import distributed as runtime  # the client orbax uses too
-
-        self.client = runtime.global_state.client
+        self.client = _client()
         self.heartbeat = heartbeat
         self.me, self.count = jax.process_index(), jax.process_count()
 
@@ -270,15 +267,22 @@ class Watchdog(threading.Thread):
 
 
 _finished = threading.Event()
-_watchdogs: list[Watchdog] = []
+
+
+def _client():
+    """The coordination service's client of this process (JAX keeps it private; orbax uses
+    it the same way)."""
+    from jax._src import distributed as runtime
+
+    return runtime.global_state.client
 
 
 def finish() -> None:
     """Tell the other processes this one's work is done: its watchdog stops, and its last
     beat says so (its silence is expected from now on)."""
     _finished.set()
-    for watchdog in _watchdogs:
-        watchdog.client.key_value_set(ALIVE_KEY.format(watchdog.me), DONE, True)
+    if jax.process_count() > 1:
+        _client().key_value_set(ALIVE_KEY.format(jax.process_index()), DONE, True)
 
 
 def is_primary() -> bool:

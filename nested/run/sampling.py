@@ -69,13 +69,18 @@ class _Carry(NamedTuple):
     done: jax.Array  # (B,) bool: rows that produced a stop token
 
 
-def stream_period(program: Program, params) -> int:
+def stream_period(program: Program, params, *, learning: bool = False) -> int:
     """P: cut at multiples of P, a stream continues exactly (the least common multiple of the
-    periods of the levels learning from a local loss and of the memory-as-context segments)."""
+    periods of the levels learning from a local loss and of the memory-as-context segments;
+    with ``learning``, when the stream comes with targets, also the span the outer-loss levels
+    run in)."""
     levels = program.system.fast_levels
     periods = [level.every for level in levels if not level.learns_outer_loss]
     modules = nnx.iter_modules(program.model(params))
     periods += [module.window for _, module in modules if isinstance(module, MemoryAsContext)]
+    spans = [level.every for level in levels if level.learns_outer_loss]
+    if learning and spans:
+        periods.append(min(spans))
     return math.lcm(*periods)
 
 

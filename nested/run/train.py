@@ -197,11 +197,9 @@ def make_eval_fn(program: Program, layout: sharding.Layout | None = None):
     )
 
 
-def make_alignment_fn(program: Program, form: str, rows: int):
-    """``(state, batch) -> {"<level>/<figure>": value}``: the alignment of every update of the
-    probed fast levels with the outer loss of the first ``rows`` rows of ``batch``
-    (:mod:`nested.plasticity.alignment`, ``form``), summarised per level, for the training log
-    (``plasticity.every``)."""
+def _alignment_measure(program: Program, form: str, rows: int):
+    """``(state, batch) -> one UpdateAlignment per probed call``, jitted: the alignment of the
+    first ``rows`` rows of ``batch`` (:func:`nested.plasticity.alignment.measure_program`)."""
 
     @jax.jit
     def measure(state: State, batch):
@@ -209,6 +207,16 @@ def make_alignment_fn(program: Program, form: str, rows: int):
         fast = jax.tree.map(lambda x: x[:rows], fast)
         batch = jax.tree.map(lambda x: x[:rows], batch)
         return alignment.measure_program(program, state.params, batch, fast=fast, form=form)[1]
+
+    return measure
+
+
+def make_alignment_fn(program: Program, form: str, rows: int):
+    """``(state, batch) -> {"<level>/<figure>": value}``: the alignment of every update of the
+    probed fast levels with the outer loss of the first ``rows`` rows of ``batch``
+    (:mod:`nested.plasticity.alignment`, ``form``), summarised per level, for the training log
+    (``plasticity.every``)."""
+    measure = _alignment_measure(program, form, rows)
 
     def figures(state: State, batch) -> dict[str, float]:
         summary = alignment.summarize(measure(state, batch))
@@ -221,20 +229,13 @@ def make_alignment_fn(program: Program, form: str, rows: int):
     return figures
 
 
-def check_alignment(program: Program, state: State, batch) -> None:
+def check_alignment(program: Program, state: State, batches, form: str, rows: int) -> None:
     """Raise :class:`ConfigError` before training when ``plasticity.every`` asks for figures
-    the model cannot give (no probe-able fast level: outer-loss blocks, scanned levels)."""
-    batch = {k: batch[k][0] for k in ("inputs", "targets", "mask")}  # one of the stacked batches
+    the model cannot give (no probe-able fast level: outer-loss blocks, scanned levels): the
+    measurement of one of the stacked ``batches`` is traced, not run."""
+    batch = {k: v[0] for k, v in batches.items()}
     try:
-        alignment.check_levels(program, None, future=False)
-        calls = alignment.discover(
-            lambda p, b, f: alignment.program_loss(program, p, b, f),
-            state.params,
-            batch,
-            state.fast,
-        )
-        if not calls:
-            raise ValueError("the model runs no fast level with a local objective to probe")
+        jax.eval_shape(_alignment_measure(program, form, rows), state, batch)
     except ValueError as error:
         raise ConfigError(f"plasticity.every: {' '.join(str(error).split())}") from error
 
@@ -464,7 +465,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     exp = config_lib.build(config)
     _check_same_config(exp.config, workdir)
     cfg, task, program = exp.config.train, exp.task, exp.program
-    plasticity = config_lib.plasticity_settings(exp.config)
+    plasticity = exp.plasticity
     if plasticity["every"] and jax.process_count() > 1:
         raise ConfigError(
             "plasticity.every runs in single-process runs only; set plasticity.every=0 and "
@@ -521,8 +522,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
             if first > 0:
                 batches = stacked_batches(task, position, first, cfg.batch_size, rows)
             if plasticity["every"] and batches is not None:
-                check_alignment(program, state, batches)
-                alignment_fn = make_alignment_fn(program, plasticity["form"], plasticity["rows"])
+                form, measured = plasticity["form"], plasticity["rows"]
+                check_alignment(program, state, batches, form, measured)
+                alignment_fn = make_alignment_fn(program, form, measured)
             start_time = time.perf_counter()
             while step < cfg.steps:  # one iteration per jitted call
                 count, length = batches["inputs"].shape[0], batches["inputs"].shape[-1]
