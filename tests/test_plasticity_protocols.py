@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 import tiny_configs
+from flax import nnx
 
+from nested.core.level import InitialState
 from nested.plasticity import capacity, regret, report, transfer
 from nested.plasticity.deployment import Deployment, stream_batches, task_batches
 from nested.run import config as nc
@@ -116,6 +118,20 @@ def test_regret_utility_is_zero_without_a_change(deployed):
     np.testing.assert_array_equal(fast["utility"], np.zeros((2, 2)))
     primed = regret.fast_regret(deployment, batch_of, [0, 1], session_length=1)
     assert np.all(primed["low"] <= primed["utility"]) and np.any(primed["utility"] != 0)
+
+
+def test_slow_regret_moves_the_learned_initial_states(deployed):
+    """The outer steps of slow_regret start from the fresh state of the weights they
+    differentiate, so Adam moves the learned initial states (it left them in place when the
+    state was built outside the gradient)."""
+    run, _, batch_of = deployed
+    tx, step = regret.outer_adam(run.program, 1e-2)
+    params = run.state.params
+    moved, _ = step(params, tx.init(params), run.program.check_batch(batch_of(0, regret.PRIME)))
+    initial = lambda p: jax.tree.leaves(nnx.split_state(p, InitialState, ...)[0])
+    pairs = zip(initial(moved), initial(params), strict=True)
+    changes = [float(np.max(np.abs(a - b))) for a, b in pairs]
+    assert changes and min(changes) > 1e-4, changes
 
 
 def test_long_stream_reports_per_phase(deployed):

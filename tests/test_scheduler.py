@@ -100,6 +100,57 @@ def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
     assert jnp.any(carried["stream"][2][0]["mixer"].params[0]["w"] != 0)
 
 
+def test_initial_state_of_a_carried_level_learns_from_the_rows_that_restart():
+    """d(outer loss)/d(learned initial state) of a persist="stream" level, float64: a finite
+    difference for a row that restarts (``reset``), exactly zero for a row that continues
+    its carried state; and one training step moves the initial state."""
+    memory = nl.recipes.delta(d_k=4, d_v=4, persist="stream")
+    lm = lambda rngs: MemoryLM(memory, vocab=VOCAB, dim=8, heads=2, rngs=rngs)
+    backbone = nl.Level(
+        "backbone",
+        memory=lm,
+        objective=nl.objectives.next_token,
+        update=optax.sgd(0.5),
+        every="step",
+    )
+    prog = nl.compile(nl.NestedSystem([backbone, memory], owners={"memory": "backbone"}))
+    state = prog.init(jax.random.key(0), batch_size=2)
+    f64 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float64), tree)
+    params = f64(state.params)
+    x = tokens(2, 12)
+    _, carried = prog.apply(params, x[:, :5])  # a carried state some tokens in
+    inputs, targets = x[:, 5:-1], x[:, 6:]
+    reset = jnp.zeros(inputs.shape, jnp.int32).at[0, 0].set(1)  # row 0: a new agent
+    w0 = params["blocks"][0]["mixer"]["initial_params"].get_value()[0]["w"]
+    w0 = w0 + 0.1 * jax.random.normal(jax.random.key(3), w0.shape, jnp.float64)
+
+    def loss(w0, row):
+        p = jax.tree.map(lambda a: a, params)
+        p["blocks"][0]["mixer"]["initial_params"].set_value(({"w": w0},))
+        mask = jnp.zeros(inputs.shape).at[row].set(1.0)
+        batch = {"inputs": inputs, "targets": targets, "mask": mask, "reset": reset}
+        return prog.stream_loss(p, batch, carried)[0]
+
+    loss = jax.jit(loss, static_argnums=1)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    restarting, continuing = grad(w0, 0), grad(w0, 1)
+    assert jnp.all(continuing == 0.0)
+    assert jnp.all(jnp.abs(restarting[0]) > 0)
+    eps = 1e-6
+    for index in [(0, 0, 0), (1, 2, 3), (0, 3, 1)]:
+        e = jnp.zeros_like(w0).at[index].set(eps)
+        fd = (loss(w0 + e, 0) - loss(w0 - e, 0)) / (2 * eps)
+        np.testing.assert_allclose(restarting[index], fd, rtol=1e-6, atol=1e-10)
+        assert abs(fd) > 1e-6
+    # Through the training step: the initial state moves by SGD on the restarting row's loss
+    # (it stayed exactly in place when the start was built outside the gradient).
+    batch = {"inputs": inputs, "targets": targets, "reset": reset}
+    stepped, _ = jax.jit(prog.train_step)(state.replace(fast=carried), batch)
+    before = state.params["blocks"][0]["mixer"]["initial_params"].get_value()[0]["w"]
+    after = stepped.params["blocks"][0]["mixer"]["initial_params"].get_value()[0]["w"]
+    assert float(jnp.max(jnp.abs(after - before))) > 1e-5
+
+
 def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
     """A delta-rule LM learns in-context key -> value recall (MQAR, 4 pairs, vocab 64).
     (At lr 1e-2 it passes 0.85 query accuracy by step 200 for init seeds 0-3; at 3e-3 it took

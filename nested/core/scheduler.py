@@ -259,8 +259,24 @@ class Program:
         return model(inputs, fast)
 
     def loss(self, params, batch, fast=None):
-        """Outer objective of one batch: ``(loss, (metrics, final fast state))``."""
+        """Outer objective of one batch: ``(loss, (metrics, final fast state))``.
+
+        ``fast`` is the state the batch starts from, taken as given (a constant to a gradient
+        of ``params``); None: the learned initial states of ``params``. To continue a stream,
+        use :meth:`stream_loss`, which builds the start from ``params``."""
         return self._loss(params, self.check_batch(batch), fast)
+
+    def stream_loss(self, params, batch, carried):
+        """:meth:`loss` of a batch of a stream continued from ``carried`` (None: fresh): the
+        start is :meth:`stream_start` of ``params``, built inside this function, so rows that
+        start anew (``reset``, and levels with ``persist="sequence"``) begin at learned
+        initial states that a gradient with respect to ``params`` reaches; carried rows begin
+        at ``carried``, held constant (``stop_gradient``)."""
+        return self._stream_loss(params, self.check_batch(batch), carried)
+
+    def _stream_loss(self, params, batch: dict, carried):
+        carried = None if carried is None else jax.lax.stop_gradient(carried)
+        return self._loss(params, batch, self.stream_start(params, batch, carried))
 
     def _loss(self, params, batch: dict, fast=None):
         logits, fast = self._forward(
@@ -278,9 +294,10 @@ class Program:
         leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
         """
         batch = self.check_batch(batch)
-        fast = self.stream_start(state.params, batch, state.fast)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        (loss, (metrics, fast)), grads = grad_fn(state.params, batch, fast)
+        # The start is built inside the differentiated function: rows that restart take
+        # initial states of the parameters being differentiated (:meth:`stream_loss`).
+        grad_fn = jax.value_and_grad(self._stream_loss, has_aux=True)
+        (loss, (metrics, fast)), grads = grad_fn(state.params, batch, state.fast)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         flags = guards.health(loss, grads, fast)
@@ -300,9 +317,7 @@ class Program:
 
     def eval_step(self, state: State, batch) -> dict:
         """Metrics of the outer objective on ``batch`` (fast levels still learn in context)."""
-        batch = self.check_batch(batch)
-        fast = self.stream_start(state.params, batch, state.fast)
-        _, (metrics, _) = self._loss(state.params, batch, fast)
+        _, (metrics, _) = self.stream_loss(state.params, batch, state.fast)
         return metrics
 
 

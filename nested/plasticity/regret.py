@@ -147,6 +147,22 @@ def fast_regret(
     return _result(tasks, fresh, primed, **bootstrap_kwargs)
 
 
+def outer_adam(program, learning_rate: float):
+    """``(tx, step)``: Adam at ``learning_rate`` and its jitted step ``(params, opt_state,
+    batch) -> (params, opt_state)`` on the outer loss of ``batch`` from the fresh fast state.
+    That state is built from the differentiated ``params`` (``program.loss`` without a state),
+    so the learned initial states move with the rest of the slow weights."""
+    tx = optax.adam(learning_rate)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads, _ = jax.grad(program.loss, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return tx, step
+
+
 def slow_regret(
     program,
     params,
@@ -165,15 +181,7 @@ def slow_regret(
     the slow weights', the learned initial states included), then scored sessions on every
     ``B`` from the fresh fast state of the new weights, against the same from ``params``.
     Returns what :func:`fast_regret` does."""
-    tx = optax.adam(learning_rate)
-
-    @jax.jit
-    def outer_step(params, opt_state, batch):
-        fast = program.start_fast(params, batch_size)
-        grads, _ = jax.grad(program.loss, has_aux=True)(params, batch, fast)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
+    tx, outer_step = outer_adam(program, learning_rate)
     deployed = Deployment(program, params, batch_size)  # compiled once for every weights
 
     def scored_sessions(weights) -> dict:
