@@ -14,7 +14,7 @@ import pytest
 from test_inner import DK, DV, B, H, make_context
 
 import nested as nl
-from nested.core import inner
+from nested.core import inner, probes
 from nested.nn.models import MemoryLM
 from nested.plasticity import alignment
 
@@ -237,3 +237,117 @@ def test_bad_requests_are_one_line_errors():
         alignment.measure_program(program, state.params, batch(1), future=batch(2))
     with pytest.raises(ValueError, match="form='two_step' is unknown"):
         alignment.measure_program(program, state.params, batch(1), form="two_step")
+
+
+def f64(tree):
+    return jax.tree.map(
+        lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
+
+
+class Recording:
+    """Runs every call token by token (``every=1``) and records, per token ``t``, the change
+    ``D_t`` the update made and the local gradient ``g_t``, leaves ``(B, H, T, ...)``."""
+
+    def __init__(self):
+        self.deltas, self.grads = [], []
+
+    def selects(self, level):
+        return True
+
+    def run(self, level, state, ctx):
+        items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
+        grad = jax.vmap(jax.vmap(lambda p, item: inner.objective_grad(level, p, item)))
+        deltas, grads, o = [], [], []
+        for t in range(ctx.k.shape[1]):
+            grads.append(grad(state.params, jax.tree.map(lambda x: x[:, t], items)))
+            o_t, new = inner.run_generic(level, state, piece(ctx, t, t + 1))
+            deltas.append(jax.tree.map(jnp.subtract, new.params, state.params))
+            o.append(o_t)
+            state = new
+        stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x, 2), *trees)
+        self.deltas.append(stack(deltas))
+        self.grads.append(stack(grads))
+        return jnp.concatenate(o, 1), state
+
+
+class Replay:
+    """Every call replays its recorded changes as constants, ``theta_t = theta_{t-1} + D_t``,
+    reads ``o_t = f_{theta_t}(q_t)``, then adds ``s_t D_t + d_t g_t`` (``inputs``: the
+    measured calls' ``scale`` and ``direction``, ``(B, H, T)``): every later update held."""
+
+    def __init__(self, recording, inputs):
+        self.recording, self.inputs, self.n = recording, inputs, 0
+
+    def selects(self, level):
+        return True
+
+    def run(self, level, state, ctx):
+        n, self.n = self.n, self.n + 1
+        D, G = self.recording.deltas[n], self.recording.grads[n]
+        params, o = state.params, []
+        for t in range(ctx.k.shape[1]):
+            params = jax.tree.map(lambda p, d: p + d[:, :, t], params, D)
+            o.append(inner.read(level, params, ctx.q[:, t : t + 1]))
+            if n < len(self.inputs):
+                s, e = (self.inputs[n][k][:, :, t, None, None] for k in ("scale", "direction"))
+                params = jax.tree.map(
+                    lambda p, d, g: p + s * d[:, :, t] + e * g[:, :, t], params, D, G
+                )
+        return jnp.concatenate(o, 1), state.replace(params=params)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["batch", "later_batch"])
+def test_one_step_holds_every_later_update_of_every_layer(later):
+    """Two layers, float64, J on the batch or on a later one: ``one_step`` equals the
+    derivatives of J with every later update (this layer's, the other layer's, the later
+    batch's) replayed as its recorded constant ``D_t``, by jax.grad of that replay for every
+    update and by finite differences of it for some."""
+    program = tiny_program(persist="stream", layers=2)
+    state = program.init(jax.random.key(0), batch_size=2)
+    params, fast = f64(state.params), f64(state.fast)
+    first, future = batch(1, length=6), batch(2, length=6) if later else None
+
+    def J(probe):
+        with probes.probing(probe):
+            loss, (_, end) = program.loss(params, first, fast)
+            if future is None:
+                return loss
+            return program.loss(params, future, program.start_fast(params, 2, end))[0]
+
+    def recorded():
+        recording = Recording()
+        return J(recording), (recording.deltas, recording.grads)
+
+    recording = Recording()
+    J0, (recording.deltas, recording.grads) = jax.jit(recorded)()
+    zeros = [{k: jnp.zeros((2, 2, 6)) for k in ("scale", "direction")} for _ in range(2)]
+    replay = jax.jit(lambda inputs: J(Replay(recording, inputs)))
+    np.testing.assert_allclose(replay(zeros), J0, rtol=1e-12)
+    reference = jax.jit(jax.grad(replay))(zeros)
+    measure = jax.jit(
+        lambda form: alignment.measure_program(
+            program, params, first, fast=fast, future=future, form=form
+        ),
+        static_argnums=0,
+    )
+    J1, results = measure("one_step")
+    np.testing.assert_allclose(J1, J0, rtol=1e-12)
+    for result, ref in zip(results, reference, strict=True):
+        np.testing.assert_allclose(result.future_dot_update, ref["scale"], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(result.future_dot_local, ref["direction"], rtol=1e-9, atol=1e-12)
+    # Finite differences of the replay along the scale of single updates, layer 1 and layer 2,
+    # the last update among them (0 on the batch; with a later batch, its only future).
+    eps = 1e-5
+    for call, b, h, u in [(0, 0, 0, 1), (0, 1, 1, 4), (0, 1, 1, 5), (1, 1, 0, 2)]:
+        bumped = lambda e: [  # noqa: B023
+            {**x, "scale": x["scale"].at[b, h, u].set(e)} if i == call else x  # noqa: B023
+            for i, x in enumerate(zeros)
+        ]
+        fd = (replay(bumped(eps)) - replay(bumped(-eps))) / (2 * eps)
+        figure = results[call].future_dot_update[b, h, u]
+        np.testing.assert_allclose(figure, fd, rtol=1e-7, atol=1e-12)
+    # Holding them matters here: through the scan, layer 1's figures differ by a sizeable part.
+    _, through = measure("through_scan")
+    ref = np.asarray(reference[0]["scale"])
+    assert np.abs(through[0].future_dot_update - ref).max() > 0.1 * np.abs(ref).max()

@@ -28,12 +28,22 @@ update only if it comes after it). No per-token copy of the state is formed.
 
 Two forms (``form=``):
 
-* ``"through_scan"``: the perturbation runs through everything that follows, this level's
-  later updates included (their gradients are taken at the perturbed states), so an update is
-  credited with its later consequences: the meta-gradient of ``J`` along the update.
-* ``"one_step"``: the seed's form, ``J`` as a function of the parameters with the later
-  updates of the probed levels held at their values: the perturbation reaches later tokens
-  through the reads (and the rule's linear carry: retention) but not through later gradients.
+* ``"through_scan"``: the perturbation runs through everything that follows, so an update is
+  credited with its later consequences: every later update of the probed levels (this level's,
+  its other layers', the later batch's) is recomputed at the perturbed states and inputs, the
+  meta-gradient of ``J`` along the update.
+* ``"one_step"``: the seed's form, the effect of one update with every later update held at its
+  value: every later update of every probed level, of every layer (every call), in the batch
+  and in the later batch of ``future=``, is taken from its unperturbed inputs: its gradient at
+  the unperturbed state, its context ``k``, ``v`` and gates (``stop_gradient`` of each), so its
+  increment ``rule(g_t)`` (momentum included) keeps its value. The perturbation ``P`` of
+  ``theta_u`` then reaches ``J`` only through the reads ``f_{theta_t + P_t}(q_t)`` of the
+  tokens after the update (their queries ``q_t`` live: an earlier layer's perturbed reads
+  reach a later layer's queries), with ``P_t = P``; a rule with terms linear in the state
+  (retention ``a_t theta``, a decay ``-d_t theta``, their gates held) carries it as ``P_t =
+  c_t ... c_{u+1} P``, ``c_t = a_t (1 - d_t)``, so only for a rule without them does every
+  later change ``delta_t`` keep its value. Levels that are not probed (``levels=``) run as
+  declared in both forms.
 
 ``J`` (``future=``): by default the outer objective of the same batch (its tokens after each
 update); or the outer objective of a later batch (held out, or of a later task) run from the
@@ -212,8 +222,36 @@ class _Perturb:
         if n >= len(self.calls) or self.calls[n].level != level.name:
             raise RuntimeError(f"probed calls changed between passes at call {n} ({level.name})")
         hook = inner.UpdateHook(_perturb, self.inputs[n], fixed_gradients=self.fixed)
-        o, state, stats = inner.run_hooked(level, state, ctx, hook)
+        o, state, stats = inner.run_hooked(level, state, _held(ctx) if self.fixed else ctx, hook)
         self.stats.append(stats)
+        return o, state
+
+
+def _held(ctx: inner.Context) -> inner.Context:
+    """``ctx`` with the updates' inputs held: ``stop_gradient`` of ``k``, ``v`` and every gate
+    (``(B, T, H, ...)``); the queries ``q`` stay live (the reads)."""
+    stop = jax.lax.stop_gradient
+    return ctx._replace(k=stop(ctx.k), v=stop(ctx.v), gates=jax.tree.map(stop, ctx.gates))
+
+
+def _keep(start, end, local, x):
+    return end, {}
+
+
+class Holding:
+    """Probe that runs the selected levels (names ``levels``, None: every level with a local
+    objective) with every update held at its value and nothing measured: the generic loop with
+    each gradient taken at the unperturbed state and the updates' inputs held (:func:`_held`).
+    The ``one_step`` form runs a later batch (``future=``) under it."""
+
+    def __init__(self, levels: Iterable[str] | None = None):
+        self.selects = _selector(levels)
+
+    def run(self, level, state, ctx):
+        B, T, H = ctx.k.shape[:3]
+        zeros = jnp.zeros((B, H, -(-T // level.every)), ctx.k.dtype)
+        hook = inner.UpdateHook(_keep, zeros, fixed_gradients=True)
+        o, state, _ = inner.run_hooked(level, state, _held(ctx), hook)
         return o, state
 
 
@@ -293,7 +331,10 @@ def measure(
     :func:`nested.core.inner.run`); ``levels``: the level names to probe (None: every level
     with a local objective it runs). Returns ``(J, one UpdateAlignment per call)``. Traces
     ``loss_fn`` twice (shapes, then the measurement); call it under ``jax.jit`` with static
-    ``levels`` and ``form`` to compile it once.
+    ``levels`` and ``form`` to compile it once. With ``form="one_step"`` every probed call
+    ``loss_fn`` makes is held; a later batch it runs outside the probe (under
+    ``probes.probing(...)``) is held only if it runs under :class:`Holding` (as
+    :func:`program_loss` does with ``hold``).
     """
     if form not in FORMS:
         raise ValueError(f"form={form!r} is unknown; use one of {FORMS}")
@@ -383,15 +424,16 @@ def _mean(a: np.ndarray) -> float:
 # -- programs ---------------------------------------------------------------------------------
 
 
-def program_loss(program, params, batch: Mapping[str, Any], fast=None, future=None):
+def program_loss(program, params, batch: Mapping[str, Any], fast=None, future=None, *, hold=None):
     """``J`` of a compiled program: its outer objective on ``batch`` (``fast``: the carried
     fast state it starts from, None: fresh), or with ``future`` on that later batch, run from
-    the fast state ``batch`` leaves (levels with ``persist="stream"`` carry it)."""
+    the fast state ``batch`` leaves (levels with ``persist="stream"`` carry it). The later batch
+    runs as declared, or with ``hold`` (a :class:`Holding`) its levels' updates held."""
     loss, (_, fast) = program.loss(params, batch, fast)
     if future is None:
         return loss
     carried = program.start_fast(params, future["inputs"].shape[0], fast)
-    with probes.probing(None):  # the later batch runs as declared
+    with probes.probing(hold):  # not the measuring probe: the later batch is not measured
         return program.loss(params, future, carried)[0]
 
 
@@ -431,8 +473,9 @@ def measure_program(
     levels: Iterable[str] | None = None,
     form: Literal["through_scan", "one_step"] = "through_scan",
 ):
-    """:func:`measure` with ``J = program_loss(program, params, batch, fast, future)``;
-    checks ``levels`` and ``future`` first (:func:`check_levels`). Returns ``(J, results)``."""
+    """:func:`measure` with ``J = program_loss(program, params, batch, fast, future)``, the
+    later batch's updates held with ``form="one_step"``; checks ``levels`` and ``future``
+    first (:func:`check_levels`). Returns ``(J, results)``."""
     check_levels(program, levels, future=future is not None)
     batch = program.check_batch(batch)
     if future is not None:
@@ -442,8 +485,9 @@ def measure_program(
                 f"future: {future['inputs'].shape[0]} rows, the batch has "
                 f"{batch['inputs'].shape[0]}; a later batch continues each row's stream"
             )
+    hold = Holding(levels) if form == "one_step" else None
     return measure(
-        lambda p, b, f, fu: program_loss(program, p, b, f, fu),
+        lambda p, b, f, fu: program_loss(program, p, b, f, fu, hold=hold),
         params,
         batch,
         fast,
