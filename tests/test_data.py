@@ -118,7 +118,7 @@ def test_bad_requests_raise(name, corpus_dir):
 
 
 def test_make_task_and_registry():
-    assert set(data.TASKS) == {"mqar", "niah", "char_lm", "continual", "companion"}
+    assert set(data.TASKS) == {"mqar", "niah", "char_lm", "continual", "companion", "tokens"}
     task = make_task("mqar", vocab_size=64, train_settings=[[16, 2]], test_settings=[[32, 8]])
     assert task.test_settings == ((32, 8),) and hash(task)
     with pytest.raises(ValueError, match=r"unknown task name='mqra'.*'char_lm'"):

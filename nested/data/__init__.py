@@ -29,6 +29,7 @@ from nested.data.mqar import (
 )
 from nested.data.niah import NEEDLE, QUERY, NIAHTask
 from nested.data.registry import TASKS, make_task
+from nested.data.tokens import TokensTask, document_ids
 
 __all__ = [
     "NEEDLE",
@@ -44,11 +45,13 @@ __all__ = [
     "MQARTask",
     "NIAHTask",
     "Task",
+    "TokensTask",
     "as_arrays",
     "check_arrays",
     "check_tokens",
     "bits_per_char",
     "decode",
+    "document_ids",
     "iterate",
     "make_batch",
     "make_task",

@@ -11,6 +11,7 @@ from nested.data.companion import CompanionTask
 from nested.data.continual import ContinualTask
 from nested.data.mqar import MQARTask
 from nested.data.niah import NIAHTask
+from nested.data.tokens import TokensTask
 
 TASKS: Mapping[str, type] = {
     "mqar": MQARTask,
@@ -18,6 +19,7 @@ TASKS: Mapping[str, type] = {
     "char_lm": CharLMTask,
     "continual": ContinualTask,
     "companion": CompanionTask,
+    "tokens": TokensTask,
 }
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import signal
@@ -108,15 +109,22 @@ def check_task(task) -> None:
             raise ConfigError(f"task: {error}") from error
 
 
+def _rows_of(task, index: int, batch_size: int, rows: slice) -> dict[str, np.ndarray]:
+    """``rows`` of training batch ``index``; read alone where the task's ``batch`` takes
+    ``rows`` (``nested.data.TokensTask``: a process reads only its rows)."""
+    if "rows" in inspect.signature(task.batch).parameters:
+        made = task.batch(index, batch_size, rows=rows)
+        return data.as_arrays(made, extras=data.STREAM_EXTRAS)
+    made = data.as_arrays(task.batch(index, batch_size), extras=data.STREAM_EXTRAS)
+    return {k: v[rows] for k, v in made.items()}
+
+
 def stacked_batches(
     task, start: int, count: int, batch_size: int, rows: slice = slice(None)
 ) -> dict[str, np.ndarray]:
     """Training batches ``start .. start + count - 1`` stacked on a leading axis (each
     checked with :func:`check_arrays`); of each only ``rows`` (a process's share)."""
-    batches = [
-        {k: v[rows] for k, v in data.as_arrays(made, extras=data.STREAM_EXTRAS).items()}
-        for made in (task.batch(i, batch_size) for i in range(start, start + count))
-    ]
+    batches = [_rows_of(task, i, batch_size, rows) for i in range(start, start + count)]
     for i, arrays in enumerate(batches):
         check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}

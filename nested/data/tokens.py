@@ -1,0 +1,306 @@
+"""Language modelling on a prepared token corpus (``experiments/prepare.py``, format
+``nested-tokens/1``, see ``nested.data.corpus``), read through ``grain``.
+
+Stream: a split's shards memory-mapped (``numpy.memmap``) and concatenated in shard order, so
+the documents follow each other, each ended by the EOS id. Windows: non-overlapping windows of
+T + 1 tokens at stride T (window ``w`` is stream ``[w T, w T + T]``), ``(N - 1) // T`` of them
+for a stream of N tokens (the tail that fills no window is left out); they straddle documents.
+
+Order: ``train`` row ``r`` (row ``j`` of batch ``i`` is ``r = i B + j``) is in epoch
+``e = r // W`` (W windows) at position ``p = r % W``, and reads window ``perm_e[p]``, ``perm_e``
+grain's ``MapDataset.shuffle`` with seed ``seed + e`` (a lazy index permutation, nothing
+materialised). ``val`` rows are windows in stream order (``r % W``), never shuffled. Batch ``i``
+is therefore a pure function of ``(seed, split, i, B)`` and of the files: a resumed run reads
+the same batches from the step of its checkpoint, and ``rows=`` reads only a process's rows.
+
+Batch: ``inputs = w[:, :-1]``, ``targets = w[:, 1:]`` (B, T) int32, mask ones (every position,
+across document boundaries too), extras ``documents`` (B, T) int32: the document of each input
+position within its row, 0 at the row's first position, +1 after each EOS (the position after an
+EOS starts a new document). Example (T = 6, EOS = 256): window ``104 105 256 111 107 256 97``
+gives inputs ``104 105 256 111 107 256``, targets ``105 256 111 107 256 97``, documents
+``0 0 0 1 1 1``.
+
+Checks, when the split is first read (one-line ``ValueError``): a folder without a valid
+``index.json``, a shard missing or of the wrong size, a model ``vocab_size`` smaller than the
+tokenizer's, a ``tokenizer_sha256`` that is not the index's, a split shorter than one window.
+The shards' SHA-256 are checked by :meth:`TokensTask.verify` (a full read), not on every start.
+
+Prefetch: ``batch`` itself is synchronous (a window is a memmap slice; the page cache does the
+read-ahead); :meth:`TokensTask.prefetch` yields ``(i, batch(i))`` for i = start, start + 1, ...
+from grain's ``to_iter_dataset`` with ``ReadOptions`` threads and a prefetch buffer, the same
+batches as ``batch`` (the index API keeps the position: resume by starting at the next index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from nested.data import corpus
+from nested.data.batch import Batch, check_request, field_error, make_batch
+
+
+def document_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """(B, T) int32 document index of each position of ``inputs`` (B, T) within its row: 0 at
+    position 0, incremented at each position that follows an EOS."""
+    after_eos = (inputs[:, :-1] == eos_id).astype(np.int32)
+    return np.concatenate(
+        [np.zeros((inputs.shape[0], 1), np.int32), np.cumsum(after_eos, axis=1, dtype=np.int32)],
+        axis=1,
+    )
+
+
+class WindowSource:
+    """grain ``RandomAccessDataSource`` of the windows of one split: ``source[w]`` is window
+    ``w`` (T + 1,) int32 of the concatenated shards (memory-mapped, read on access)."""
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int):
+        self.shards = shards
+        self.seq_len = seq_len
+        sizes = np.array([len(s) for s in shards], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (S + 1,) stream offsets
+        self.windows = max(int(self.starts[-1]) - 1, 0) // seq_len
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def __getitem__(self, w: int) -> np.ndarray:
+        if not 0 <= w < self.windows:
+            raise IndexError(f"window {w} out of range [0, {self.windows})")
+        lo, hi = int(w) * self.seq_len, int(w) * self.seq_len + self.seq_len + 1
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        parts, k = [], first
+        while lo < hi:
+            offset = lo - int(self.starts[k])
+            take = min(hi - lo, len(self.shards[k]) - offset)
+            parts.append(self.shards[k][offset : offset + take])
+            lo, k = lo + take, k + 1
+        return np.concatenate(parts).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensTask:
+    """Packed LM windows of a prepared corpus; see the module docstring.
+
+    Fields:
+      path: the folder ``experiments/prepare.py`` wrote (``index.json`` and shards).
+      seq_len: T, the input length of a training window.
+      vocab_size: the model's vocabulary; at least the index's tokenizer ``vocab_size`` (257
+        is the ``bytes`` tokenizer's; a BPE needs its own, e.g. 8192).
+      seed: base seed; epoch e of ``train`` is shuffled with ``seed + e``.
+      eval_seq_len: T of ``val`` windows; None = ``seq_len``.
+      tokenizer_sha256: when set, the SHA-256 of the ``tokenizer.json`` the shards must come
+        from (the index's ``tokenizer.sha256``; ``bytes`` has none).
+
+    Extras: ``documents`` (B, T) int32, see :func:`document_ids`.
+    """
+
+    path: str | None = None
+    seq_len: int = 256
+    vocab_size: int = 257
+    seed: int = 0
+    eval_seq_len: int | None = None
+    tokenizer_sha256: str | None = None
+
+    name: ClassVar[str] = "tokens"
+    eval_splits: ClassVar[tuple[str, ...]] = ("val",)
+
+    def __post_init__(self):
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise field_error(self.name, "seed", self.seed, "use a non-negative int")
+        for field in ("seq_len", "vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise field_error(self.name, field, value, "use a positive int")
+        if self.eval_seq_len is not None and self.eval_seq_len < 1:
+            raise field_error(self.name, "eval_seq_len", self.eval_seq_len, "use a positive int")
+
+    def split_seq_len(self, split: str) -> int:
+        """T of ``split``'s windows."""
+        return self.seq_len if split == "train" else (self.eval_seq_len or self.seq_len)
+
+    @functools.cached_property
+    def index(self) -> dict[str, Any]:
+        """The folder's ``index.json``, checked against the task's fields."""
+        if self.path is None:
+            raise ValueError(
+                f"{self.name}: path is not set; give the folder experiments/prepare.py wrote"
+            )
+        file = Path(self.path) / corpus.INDEX
+        try:
+            index = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"{self.name}: path={self.path!r} has no {corpus.INDEX}; prepare it with "
+                f"python experiments/prepare.py --input TEXT --out {self.path}"
+            ) from None
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"{self.name}: {file} cannot be read ({error}); prepare the folder again"
+            ) from None
+        if not isinstance(index, dict) or index.get("format") != corpus.FORMAT:
+            raise ValueError(
+                f"{self.name}: {file} is not format {corpus.FORMAT!r}; prepare the folder again "
+                "with experiments/prepare.py"
+            )
+        tok = index["tokenizer"]
+        if tok["vocab_size"] > self.vocab_size:
+            raise ValueError(
+                f"{self.name}: vocab_size={self.vocab_size} is smaller than the tokenizer's "
+                f"vocab_size={tok['vocab_size']} ({file}); set task.vocab_size >= "
+                f"{tok['vocab_size']}"
+            )
+        if self.tokenizer_sha256 is not None and self.tokenizer_sha256 != tok["sha256"]:
+            raise ValueError(
+                f"{self.name}: the shards of {self.path!r} come from tokenizer sha256="
+                f"{tok['sha256']}, the config says tokenizer_sha256={self.tokenizer_sha256}; "
+                "prepare the corpus with the config's tokenizer or fix the config"
+            )
+        return index
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document id of the corpus."""
+        return int(self.index["tokenizer"]["eos_id"])
+
+    def _shards(self, split: str) -> list[np.ndarray]:
+        dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        shards = []
+        for shard in self.index["splits"][split]["shards"]:
+            file = Path(self.path) / shard["file"]
+            size = file.stat().st_size if file.is_file() else None
+            if size != shard["tokens"] * dtype.itemsize:
+                found = "missing" if size is None else f"{size} bytes"
+                raise ValueError(
+                    f"{self.name}: shard {file} is {found}, the index says "
+                    f"{shard['tokens'] * dtype.itemsize} bytes; prepare the folder again"
+                )
+            shards.append(np.memmap(file, dtype=dtype, mode="r"))
+        return shards
+
+    @functools.cached_property
+    def _memo(self) -> dict:
+        return {}  # per instance: ("source", split) -> WindowSource, ("epoch", split, e) -> data
+
+    def source(self, split: str) -> WindowSource:
+        """The windows of ``split`` (checked: at least one)."""
+        if ("source", split) in self._memo:
+            return self._memo["source", split]
+        source = WindowSource(self._shards(split), self.split_seq_len(split))
+        if len(source) < 1:
+            t = self.split_seq_len(split)
+            raise ValueError(
+                f"{self.name}: the {split} split of {self.path!r} has "
+                f"{self.index['splits'][split]['tokens']} tokens, fewer than one window of "
+                f"T + 1 = {t + 1}; give a larger corpus (or val_fraction) or a smaller T"
+            )
+        self._memo["source", split] = source
+        return source
+
+    def _epoch(self, split: str, epoch: int):
+        key = ("epoch", split, epoch)
+        if key not in self._memo:
+            import grain  # deferred: grain takes seconds to import
+
+            dataset = grain.MapDataset.source(self.source(split))
+            if split == "train":
+                dataset = dataset.shuffle(seed=self.seed + epoch)
+            self._memo[key] = dataset
+        return self._memo[key]
+
+    def window(self, split: str, row: int) -> np.ndarray:
+        """(T + 1,) int32: the window of global row ``row`` of ``split`` (module docstring)."""
+        n = len(self.source(split))
+        epoch, position = divmod(int(row), n)
+        return self._epoch(split, epoch if split == "train" else 0)[position]
+
+    def batch(
+        self, index: int, batch_size: int, *, split: str = "train", rows: slice | None = None
+    ) -> Batch:
+        """Batch ``index`` of ``split`` (B rows; of them only ``rows`` when given): inputs,
+        targets, mask (B, T), extras ``documents`` (B, T)."""
+        check_request(self, index, batch_size, split)
+        global_rows = range(index * batch_size, (index + 1) * batch_size)
+        if rows is not None:
+            global_rows = global_rows[rows]
+        t = self.split_seq_len(split)
+        windows = np.stack([self.window(split, r) for r in global_rows]).reshape(-1, t + 1)
+        inputs = windows[:, :-1]
+        return make_batch(
+            inputs,
+            windows[:, 1:],
+            np.ones(inputs.shape, np.float32),
+            documents=document_ids(inputs, self.eos_id),
+        )
+
+    def prefetch(
+        self,
+        start: int,
+        batch_size: int,
+        *,
+        split: str = "train",
+        rows: slice | None = None,
+        threads: int = 2,
+        buffer: int = 4,
+    ) -> Iterator[tuple[int, Batch]]:
+        """``(i, batch(i, ...))`` for i = start, start + 1, ..., made ahead by ``threads`` grain
+        threads, up to ``buffer`` batches."""
+        import grain
+
+        make = lambda i: (i, self.batch(i, batch_size, split=split, rows=rows))
+        counter = grain.MapDataset.source(_Counter(start)).map(make)
+        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=buffer)
+        return iter(counter.to_iter_dataset(options))
+
+    def verify(self) -> None:
+        """Re-hash every shard against the index (a full read); ``ValueError`` naming the first
+        that differs."""
+        for split in corpus.SPLITS:
+            for shard in self.index["splits"][split]["shards"]:
+                file = Path(self.path) / shard["file"]
+                if corpus.sha256_file(file) != shard["sha256"]:
+                    raise ValueError(
+                        f"{self.name}: shard {file} does not match its sha256 in the index; "
+                        "prepare the folder again"
+                    )
+
+    def describe(self) -> str:
+        try:
+            tok = self.index["tokenizer"]
+            counts = ", ".join(
+                f"{s} {self.index['splits'][s]['documents']} documents / "
+                f"{self.index['splits'][s]['tokens']} tokens"
+                for s in corpus.SPLITS
+            )
+            about = f"{tok['kind']} tokenizer (vocab {tok['vocab_size']}, EOS {tok['eos_id']}); "
+            about += counts
+        except ValueError as error:
+            about = f"not readable yet: {error}"
+        return (
+            f"Packed LM on the prepared corpus {self.path} ({about}); documents concatenated "
+            f"with EOS after each, windows of T={self.seq_len} + 1 tokens at stride T, train "
+            f"shuffled per epoch (grain, seed {self.seed} + epoch), val in order (T="
+            f"{self.split_seq_len('val')}); inputs = w[:-1], targets = w[1:], every position "
+            "scored, extras documents: the document of each position within its row.\n"
+            "Example (EOS 256): window 104 105 256 111 107 256 97 -> inputs 104 105 256 111 107 "
+            "256, targets 105 256 111 107 256 97, documents 0 0 0 1 1 1."
+        )
+
+
+class _Counter:
+    """grain source of the batch indices start, start + 1, ... (practically unbounded)."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __getitem__(self, i: int) -> int:
+        return self.start + int(i)
