@@ -28,12 +28,6 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "bytes, bpe, or a tokeniz
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8192, "Vocabulary of --tokenizer=bpe.")
 _EOS = flags.DEFINE_string("eos", None, "End-of-document token of a tokenizer.json.")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "Share of documents held out as val.")
-_SEED = flags.DEFINE_integer(
-    "seed",
-    0,
-    "Unused: preparation has no randomness (split by hash, input order); the "
-    "task shuffles (task.seed).",
-)
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", 1 << 27, "Most tokens per shard file.")
 _SKIP_BAD = flags.DEFINE_bool("skip_bad", False, "Skip binary / non-UTF-8 files and bad lines.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a corpus already in --out.")

@@ -6,9 +6,10 @@
 runs the command once per process, adding ``--coordinator_address=127.0.0.1:<free port>
 --num_processes=N --process_id=I`` (:mod:`nested.run.distributed`), each in its own session so
 that only the launcher forwards signals: SIGTERM and SIGINT go to every process (a training run
-then checkpoints and exits 143). ``--devices_per_process K`` gives each process K simulated CPU
-devices (XLA's ``--xla_force_host_platform_device_count``), the way tests and benchmarks run
-a multi-host layout on one machine.
+then checkpoints and exits 128 + the signal: 143, or 130 for Ctrl-C). ``--devices_per_process
+K`` gives each process K simulated CPU devices (XLA's
+``--xla_force_host_platform_device_count``), the way tests and benchmarks run a multi-host
+layout on one machine.
 
 When a process ends with a non-zero status while others still run, the others get
 ``--grace_seconds`` to stop by themselves (a run's processes notice a lost peer and say which);

@@ -25,6 +25,7 @@ from nested.companion.store import SQLiteStore
 from nested.run import config as nc
 from nested.run import loading, train
 from nested.run.loading import Trained
+from nested.run.locks import Busy
 
 KEY = "test-key-0123"
 
@@ -158,6 +159,35 @@ def test_many_concurrent_clients_lose_no_update(server, workdir, tmp_path):
         assert_states_close(served_state(server, companion, a), expected[a])
 
 
+def test_a_second_writer_on_a_served_store_is_refused_and_no_observe_is_lost(server, workdir):
+    """While clients observe through the server, a second server and the Python API on the
+    same store are refused in one line naming the holder; every acknowledged token is kept."""
+    agents = [f"two-{i}" for i in range(4)]
+    acked = dict.fromkeys(agents, 0)
+
+    def client(agent):
+        for r in range(6):
+            status, _ = server.request("POST", f"/agents/{agent}/observe", {"tokens": tokens(r)})
+            assert status == 200
+            acked[agent] += 8
+
+    threads = [threading.Thread(target=client, args=(a,)) for a in agents]
+    for t in threads:
+        t.start()
+    with pytest.raises(RuntimeError) as info:
+        Server(workdir, server.store)
+    pid = server.process.pid
+    assert f"error: companion store {server.store} is in use by pid {pid} on host" in str(
+        info.value
+    )
+    with pytest.raises(Busy, match=f"is in use by pid {pid} on host"):
+        Companion.open(workdir, server.store)
+    for t in threads:
+        t.join(timeout=300)
+    assert all(server.request("GET", f"/agents/{a}")[1]["tokens"] == acked[a] for a in agents)
+    assert sum(acked.values()) == 4 * 6 * 8
+
+
 def test_a_killed_server_keeps_every_acknowledged_observe(workdir, tmp_path):
     store = tmp_path / "agents.sqlite"
     served = Server(workdir, store)
@@ -217,8 +247,11 @@ def test_the_python_api_refuses_another_models_state(workdir, tmp_path):
         companion.observe({"../a": tokens(1)})
     with pytest.raises(CompanionError, match=r"token ids in \[99, 99\], outside \[0, 13\)"):
         companion.observe({"a": [99]})
-    store = SQLiteStore(tmp_path / "a.sqlite")
-    assert store.count() == 1 and os.path.exists(tmp_path / "a.sqlite")
+    assert companion.store.count() == 1 and os.path.exists(tmp_path / "a.sqlite")
+    with pytest.raises(Busy, match=r"companion store .*a\.sqlite is in use by pid \d+ on host"):
+        SQLiteStore(tmp_path / "a.sqlite")  # one writer per store
+    companion.store.close()
+    assert SQLiteStore(tmp_path / "a.sqlite").count() == 1
 
 
 def test_consolidate_applies_what_a_longer_period_accumulated(tmp_path):

@@ -167,7 +167,7 @@ def test_killed_mid_save_then_stopped_by_sigterm_resumes_to_the_same_metrics(
     stopped = int(message.split()[5].rstrip(":"))
     assert message == (
         f"stopped by SIGTERM at step {stopped}: its checkpoint is in {workdir / 'checkpoints'}; "
-        f"run the same command to resume"
+        f"run the same command to resume from step {stopped}"
     )
     assert 6 <= stopped < 12 and stopped in complete_steps(workdir)
     assert saving(workdir) == []  # the stop waited for its save
@@ -216,3 +216,46 @@ def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env, n_kil
     reference = tmp_path / "reference"
     Run(reference, env, **settings).finish()
     assert comparable(metrics.read(workdir)) == comparable(metrics.read(reference))
+
+
+def test_ctrl_c_during_a_save_keeps_it_and_the_run_resumes_to_the_same_metrics(
+    tmp_path, env, reference
+):
+    """SIGINT (Ctrl-C) while the first checkpoint is being written: the save completes, the
+    run saves the step it reaches, exits 130 naming the step a resume starts from, and the
+    same command then ends as the uninterrupted run."""
+    workdir = tmp_path / "run"
+    run = Run(workdir, env, delay=0.5, **SHORT)
+    assert run.wait_for(lambda: saving(workdir)), "the run ended before its first save"
+    assert run.signal(signal.SIGINT) == 128 + signal.SIGINT
+    message = run.err.read_text().strip().splitlines()[-1]
+    stopped = int(message.split()[5].rstrip(":"))
+    assert message == (
+        f"stopped by SIGINT at step {stopped}: its checkpoint is in {workdir / 'checkpoints'}; "
+        f"run the same command to resume from step {stopped}"
+    )
+    assert 4 in complete_steps(workdir) and stopped in complete_steps(workdir)
+    assert saving(workdir) == []
+    run = Run(workdir, env, **SHORT)
+    run.finish()
+    assert run.restored() == stopped
+    assert comparable(metrics.read(workdir)) == reference
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_in_one_line(tmp_path, env):
+    """Two training processes on one workdir: the second stops before writing anything,
+    naming the first's pid and host; once the first has ended, the workdir is free."""
+    workdir = tmp_path / "run"
+    first = Run(workdir, env, train__steps=400)
+    assert first.wait_for(lambda: first.lines("STEP"))
+    second = Run(workdir, env, train__steps=400)
+    assert second.process.wait(timeout=300) == 1
+    message = second.err.read_text().strip().splitlines()[-1]
+    assert message.startswith(f"error: workdir {workdir} is in use by pid {first.process.pid} ")
+    assert "wait for that run to end, stop it, or train in another --workdir" in message
+    assert second.lines("STEP") == [] and first.process.poll() is None
+    assert first.signal(signal.SIGTERM) == 128 + signal.SIGTERM
+    stopped = int(first.err.read_text().strip().splitlines()[-1].split()[5].rstrip(":"))
+    third = Run(workdir, env, train__steps=stopped)
+    third.finish()
+    assert third.restored() == stopped

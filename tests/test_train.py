@@ -16,7 +16,7 @@ import tiny_configs
 import nested as nl
 from nested.core import guards
 from nested.learn import recipes
-from nested.run import checkpoint, cli, metrics, train
+from nested.run import checkpoint, cli, locks, metrics, train
 from nested.run import config as nc
 
 
@@ -113,9 +113,12 @@ def _poison(out):
     return out
 
 
-def _sigterm(out):
-    os.kill(os.getpid(), signal.SIGTERM)
-    return out
+def _signal(signum):
+    def send(out):
+        os.kill(os.getpid(), signum)
+        return out
+
+    return send
 
 
 def test_non_finite_loss_stops_the_run_naming_step_and_quantity(tmp_path, monkeypatch):
@@ -156,22 +159,25 @@ def test_several_steps_per_call_give_the_same_run(finished, tmp_path):
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
-def test_sigterm_saves_the_step_reached_and_the_run_resumes_exactly(
-    finished, tmp_path, monkeypatch
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_saves_the_step_reached_and_the_run_resumes_exactly(
+    finished, tmp_path, monkeypatch, signum
 ):
-    """A real SIGTERM to this process after step 3: the loop saves step 3 (with the
-    unfinished log window: step 3 of the window 3-4) and raises; the same call again ends
-    with the uninterrupted run's metrics."""
-    _after_step_3(monkeypatch, _sigterm)
-    before = signal.getsignal(signal.SIGTERM)
+    """A real SIGTERM or SIGINT (Ctrl-C) to this process after step 3: the loop saves step 3
+    (with the unfinished log window: step 3 of the window 3-4) and raises; the same call
+    again ends with the uninterrupted run's metrics."""
+    _after_step_3(monkeypatch, _signal(signum))
+    before = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
     with pytest.raises(train.Stopped) as info:
         train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
     checkpoints = tmp_path / "checkpoints"
+    name = signal.Signals(signum).name
     assert str(info.value) == (
-        f"stopped by SIGTERM at step 3: its checkpoint is in {checkpoints}; run the same "
-        f"command to resume"
+        f"stopped by {name} at step 3: its checkpoint is in {checkpoints}; run the same "
+        f"command to resume from step 3"
     )
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the loop's only
+    assert info.value.signum == signum
+    assert {s: signal.getsignal(s) for s in train.STOP_SIGNALS} == before  # the loop's only
     assert sorted(p.name for p in checkpoints.iterdir()) == ["3"]
     monkeypatch.undo()
     train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
@@ -202,8 +208,12 @@ def test_stopped_and_non_finite_runs_end_the_command_with_one_line(capsys):
     assert info.value.code == 143
     assert capsys.readouterr().err == (
         "stopped by SIGTERM at step 5: its checkpoint is in /runs/x/checkpoints; run the same "
-        "command to resume\n"
+        "command to resume from step 5\n"
     )
+    with pytest.raises(SystemExit) as info, cli.user_errors():
+        raise train.Stopped(5, Path("/runs/x/checkpoints"), signal.SIGINT)
+    assert info.value.code == 130
+    assert capsys.readouterr().err.startswith("stopped by SIGINT at step 5")
     with pytest.raises(SystemExit) as info, cli.user_errors():
         raise guards.NonFiniteError("step 2: non-finite values in the outer loss; the run stopped")
     assert info.value.code == "error: step 2: non-finite values in the outer loss; the run stopped"
@@ -320,3 +330,17 @@ def test_a_smoke_run_of_a_full_config_needs_no_other_override(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10"]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["train"]["steps"] == 10 and saved["optimizer"]["warmup_steps"] == 5
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
+    config = tiny_configs.config("mqar")
+    first = locks.Lock(tmp_path / train.LOCK_FILE, "test", "test")  # as a running run holds it
+    with pytest.raises(locks.Busy) as info:
+        train.train_and_evaluate(config, tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"workdir {tmp_path} is in use by pid {os.getpid()} on host ")
+    assert message.endswith("wait for that run to end, stop it, or train in another --workdir")
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.json").exists()
+    first.release()
+    train.train_and_evaluate(config, tmp_path)  # the lock of an ended holder is free
+    assert locks.Lock(tmp_path / train.LOCK_FILE, "test", "test").holder()["pid"] == os.getpid()

@@ -101,7 +101,7 @@ class ServerProcess:
         max_batch: int = 256,
         timeout: float = 180.0,
     ):
-        self.port = free_port()
+        self.port, self.store = free_port(), Path(store)
         command = [
             sys.executable,
             str(SERVE),

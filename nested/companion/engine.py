@@ -135,10 +135,14 @@ class Companion:
         :class:`Store`."""
         from nested.run.loading import load_trained
 
-        trained = load_trained(workdir)
-        if store is None or isinstance(store, str | Path):
+        if store is None or isinstance(store, str | Path):  # first: a busy store fails fast
             store = SQLiteStore(store or Path(workdir) / "companion.sqlite")
-        return cls(trained, store, **kwargs)
+        try:
+            return cls(load_trained(workdir), store, **kwargs)
+        except BaseException:
+            if isinstance(store, SQLiteStore):
+                store.close()
+            raise
 
     # -- states ------------------------------------------------------------------------------
 

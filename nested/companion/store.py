@@ -9,6 +9,14 @@ bytes no longer match their digest raises :class:`DamagedState` for that agent o
 :class:`SQLiteStore` uses the standard library's ``sqlite3``: WAL journal, ``synchronous=FULL``
 (a commit survives the process being killed, and power loss), one connection per thread. Agent
 ids are only ever bound as SQL parameters, never formatted into a statement or a path.
+
+One writer per store: the companion reads an agent's state, runs the model and writes the new
+state back, so two processes serving one file would each overwrite the other's acknowledged
+observes. A :class:`SQLiteStore` therefore holds the lock ``<file>.lock``
+(:class:`nested.run.locks.Lock`) from its opening to :meth:`SQLiteStore.close` or the end of
+its process; a second one on the same file, in any process, raises
+:class:`nested.run.locks.Busy` naming the holder. Within the holder, requests are serialised by
+the engine's batcher (:mod:`nested.companion.server`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple, Protocol
+
+from nested.run.locks import Lock
 
 
 class DamagedState(RuntimeError):
@@ -67,6 +77,12 @@ class SQLiteStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = Lock(
+            self.path.with_name(self.path.name + ".lock"),
+            f"companion store {self.path}",
+            "one process writes a store: send requests to that server (nested.companion.client), "
+            "stop it first, or pass another --store",
+        )
         self._local = threading.local()
         with self._connection() as db:
             db.execute(self.SCHEMA)
@@ -126,3 +142,11 @@ class SQLiteStore:
 
     def count(self) -> int:
         return self._connection().execute("SELECT COUNT(*) FROM agents").fetchone()[0]
+
+    def close(self) -> None:
+        """Close this thread's connection and release the store for another writer."""
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+        self._lock.release()

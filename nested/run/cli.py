@@ -9,8 +9,9 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
   here it becomes ``error: --config.model.dimm: config.model has no key 'dimm'; allowed:
   [...]``.
 * :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
-  run stopped by SIGTERM (:class:`nested.run.train.Stopped`, after its checkpoint) into one line
-  and exit status 143 (128 + SIGTERM), as a process killed by the signal would report.
+  run stopped by SIGTERM or Ctrl-C (:class:`nested.run.train.Stopped`, after its checkpoint)
+  into one line and exit status 128 + the signal (143, 130), as a shell reports a process the
+  signal ended.
 * With ``config_from_workdir=True`` (``eval.py``), ``--config.<key>=<value>`` overrides
   without ``--config`` apply to the config of ``--workdir``'s run (its ``config.json``); they
   may change the ``task`` and ``train`` sections (what is evaluated, and how), not the model.
@@ -25,7 +26,6 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -34,7 +34,7 @@ from ml_collections import config_dict, config_flags
 
 from nested.core.guards import NonFiniteError
 from nested.run import config as config_lib
-from nested.run import train
+from nested.run import locks, train
 from nested.run.checkpoint import CheckpointError
 from nested.run.distributed import DistributedError
 from nested.run.memory_state import MemoryStateError
@@ -45,6 +45,7 @@ USER_ERRORS = (
     CheckpointError,
     MemoryStateError,
     DistributedError,
+    locks.Busy,
 )
 CONFIG_FLAG = "config"
 WORKDIR_FLAG = "workdir"
@@ -156,19 +157,17 @@ def parse_flags(argv: Sequence[str], *, config_from_workdir: bool = False) -> li
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the errors of :data:`USER_ERRORS` into ``error: <message>`` and exit status 1,
-    a SIGTERM stop into its message and exit status 143, and Ctrl-C into a hint to resume
-    (exit status 130)."""
+    a run stopped by a signal into its message and exit status 128 + the signal (143 for
+    SIGTERM, 130 for Ctrl-C), and a Ctrl-C outside a training loop into exit status 130."""
     try:
         yield
     except USER_ERRORS as error:
         sys.exit(f"error: {_one_line(error)}")
     except train.Stopped as stopped:
         print(_one_line(stopped), file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(128 + stopped.signum)
     except KeyboardInterrupt:
-        print(
-            "interrupted: run the same command to resume from the last checkpoint", file=sys.stderr
-        )
+        print("interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
 
 

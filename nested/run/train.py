@@ -60,7 +60,7 @@ from nested import data
 from nested.core import guards
 from nested.core.scheduler import Program, State
 from nested.plasticity import alignment
-from nested.run import checkpoint, distributed, fingerprint, memory_state, metrics, sharding
+from nested.run import checkpoint, distributed, fingerprint, locks, memory_state, metrics, sharding
 from nested.run import config as config_lib
 from nested.run.config import ConfigError, Experiment
 
@@ -68,17 +68,19 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 EVAL_FILE = "eval.json"  # the evaluation of the latest checkpoint
 SESSIONS_FILE = "sessions.jsonl"  # one line per memory session, appended
+LOCK_FILE = "run.lock"  # held by the training run writing the workdir (nested.run.locks)
 
 
 class Stopped(Exception):
-    """The run was asked to stop (SIGTERM) and saved a checkpoint of the step it reached."""
+    """The run was asked to stop (SIGTERM or SIGINT, ``signum``) and saved a checkpoint of the
+    step it reached."""
 
-    def __init__(self, step: int, directory: Path):
+    def __init__(self, step: int, directory: Path, signum: int = signal.SIGTERM):
         super().__init__(
-            f"stopped by SIGTERM at step {step}: its checkpoint is in {directory}; run the "
-            f"same command to resume"
+            f"stopped by {signal.Signals(signum).name} at step {step}: its checkpoint is in "
+            f"{directory}; run the same command to resume from step {step}"
         )
-        self.step = step
+        self.step, self.signum = step, signum
 
 
 # -- pieces (each usable alone) ---------------------------------------------------------------
@@ -437,25 +439,48 @@ def load_workdir_config(workdir: str | Path) -> config_dict.ConfigDict:
     return config_lib.from_json(data)
 
 
+class StopRequest:
+    """Set by the first SIGTERM or SIGINT (Ctrl-C): the loop then saves a checkpoint of the
+    step it reaches and stops. ``signum`` is the signal that asked."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def is_set(self) -> bool:
+        return self.signum is not None
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def _sigterm_requests() -> Iterator[threading.Event]:
-    """An event that SIGTERM sets (the loop then checkpoints and stops); a second SIGTERM
-    ends the process at once. Outside the main thread no handler can be installed: nothing
-    is, and the event stays unset."""
-    requested = threading.Event()
+def _stop_requests() -> Iterator[StopRequest]:
+    """A :class:`StopRequest` that SIGTERM or SIGINT sets; a second one of either ends the
+    process at once (the first says so on stderr). Outside the main thread no handler can be
+    installed: nothing is, and the request stays unset."""
+    request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
-        yield requested
+        yield request
         return
 
-    def handler(signum, frame):  # no I/O here: the main thread may be inside a write
-        requested.set()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    def handler(signum, frame):
+        request.signum = signum
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        # os.write, not print: the main thread may be inside a buffered write.
+        name = signal.Signals(signum).name
+        os.write(
+            2,
+            f"\n{name}: saving a checkpoint at the end of this step, then stopping; "
+            f"{name} again stops at once (steps since the last checkpoint are lost)\n".encode(),
+        )
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
-        yield requested
+        yield request
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -465,7 +490,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     """Train the system of ``config`` in ``workdir`` (resuming if it holds checkpoints),
     evaluate it, plot the curves and return the summary (see :func:`nested.run.metrics.summary`).
 
-    Raises :class:`Stopped` after saving a checkpoint when the process receives SIGTERM.
+    Raises :class:`Stopped` after saving a checkpoint when the process receives SIGTERM or
+    SIGINT, and :class:`nested.run.locks.Busy` when another run holds the workdir.
     """
     # 1. Build: the workdir and everything else are checked before anything is compiled.
     workdir = Path(workdir)
@@ -491,13 +517,19 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
     state = init_state(exp, layout)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("model: %d slow parameters", n_params)
-    ckpt = checkpoint.Checkpointer(
-        workdir / CHECKPOINTS, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
-    )
-    writer = bar = None
-    # SIGTERM stops the loop after its current call, until the last save is on disk.
-    with _sigterm_requests() as stop:
+    writer = bar = lock = ckpt = None
+    # SIGTERM or Ctrl-C stops the loop after its current call, once the last save is on disk.
+    with _stop_requests() as stop:
         try:
+            if primary:  # one run per workdir (the processes of one run share it)
+                lock = locks.Lock(
+                    workdir / LOCK_FILE,
+                    f"workdir {workdir}",
+                    "wait for that run to end, stop it, or train in another --workdir",
+                )
+            ckpt = checkpoint.Checkpointer(
+                workdir / CHECKPOINTS, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
+            )
             restored = ckpt.restore_latest(state)
             step, position, window = 0, 0, []
             if restored is not None:
@@ -577,17 +609,22 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                 ckpt.save(step, state, force=step == cfg.steps or stopping, **saved)
                 if stopping:
                     ckpt.wait()
-                    logging.warning("SIGTERM: saved the checkpoint of step %d; stopping", step)
-                    raise Stopped(step, ckpt.directory)
+                    signum = stop.signum or signal.SIGTERM  # another process was signalled
+                    name = signal.Signals(signum).name
+                    logging.warning("%s: saved the checkpoint of step %d; stopping", name, step)
+                    raise Stopped(step, ckpt.directory, signum)
             if restored is not None and restored.step == cfg.steps:
                 logging.info("the run in %s is complete (step %d)", workdir, step)
             train_seconds = time.perf_counter() - start_time
         finally:
             if bar is not None:
                 bar.close()
-            ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
             if writer is not None:
                 writer.close()
+            if lock is not None:
+                lock.release()
 
     # 4. End: plot and summary (process 0 writes; every process returns the summary).
     distributed.barrier("nested: metrics written")
