@@ -7,6 +7,7 @@ states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); wi
 OpenAPI docs at ``/docs``. Everything is in ``nested.companion``.
 """
 
+import socket
 import sys
 from pathlib import Path
 
@@ -25,6 +26,19 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", 256, "Most agents in one jitted c
 flags.mark_flags_as_required(["workdir"])
 
 
+def _check_port(host: str, port: int) -> None:
+    """Exit with one line when ``host:port`` cannot be listened on (in use, not an address of
+    this machine), before anything is loaded."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            sys.exit(
+                f"error: --host={host} --port={port}: cannot listen there ({error.strerror}); "
+                f"pass another --port (or stop what uses it)"
+            )
+
+
 def main(argv):
     del argv
     with cli.user_errors():
@@ -34,6 +48,7 @@ def main(argv):
             if not path.is_file() or not path.read_text().strip():
                 sys.exit(f"error: --api_key_file={_KEY.value}: no key there (one line of text)")
             key = path.read_text().strip()
+        _check_port(_HOST.value, _PORT.value)  # before the model loads
         try:
             companion = engine.Companion.open(
                 _WORKDIR.value, _STORE.value, max_batch=_MAX_BATCH.value

@@ -8,7 +8,10 @@ import http.client
 import json
 import os
 import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +22,7 @@ import tiny_configs
 from flax import serialization
 
 from nested.companion import study
-from nested.companion.client import Client, ServerProcess
+from nested.companion.client import SERVE, Client, ServerProcess
 from nested.companion.engine import Companion, CompanionError
 from nested.companion.store import SQLiteStore
 from nested.run import config as nc
@@ -311,3 +314,24 @@ def test_the_study_runs_every_method_session_by_session(workdir):
     assert result["bytes"]["knn_capacity"] == result["bytes"]["companion"] // (4 * 16 + 4)
     assert result["latency"]["observe_s"] > 0
     assert "companion: novel accuracy by session" in study.format_summary(result)
+
+
+def test_serving_on_a_port_in_use_fails_at_once_in_one_line(workdir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, str(SERVE), f"--workdir={workdir}", f"--port={port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --host=127.0.0.1 --port={port}: cannot listen there (Address already in use); "
+        "pass another --port (or stop what uses it)"
+    )
+    assert time.monotonic() - began < 30  # before the model loads
+    assert not (workdir / "companion.sqlite").exists()  # nothing opened

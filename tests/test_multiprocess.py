@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import tiny_configs
@@ -218,6 +219,26 @@ def test_an_unreachable_coordinator_fails_within_the_timeout():
     with pytest.raises(distributed.DistributedError, match="no coordinator answered within"):
         distributed.initialize(settings)
     assert 2 <= time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize(
+    ("host", "bind"), [("127.0.0.1", "127.0.0.1"), ("localhost", "localhost"), ("10.0.0.7", None)]
+)
+def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch, host, bind):
+    """The coordinator binds to the loopback address it is given (not every interface); a
+    cluster address keeps JAX's default, reachable from the other hosts."""
+    calls = []
+    monkeypatch.setattr(distributed, "_check_bindable", lambda *args: None)
+    monkeypatch.setattr(distributed, "_tag_logs", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    port = launch.free_port()
+    settings = distributed.Settings(
+        coordinator_address=f"{host}:{port}", num_processes=2, process_id=0
+    )
+    distributed.initialize(settings)
+    expected = None if bind is None else f"{bind}:{port}"
+    assert calls[0].get("coordinator_bind_address") == expected
 
 
 def test_processes_started_with_different_configs_are_refused(tmp_path):

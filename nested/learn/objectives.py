@@ -46,7 +46,7 @@ class Dot:
 
 @dataclasses.dataclass(frozen=True)
 class NormalizedRidge:
-    """Falcon's input-normalised ridge regression (Falcon-1, seed 000 section 3.3).
+    """Falcon's input-normalised ridge regression (Falcon-1).
 
     ``(1/2 |f(k) - v|^2 + lam/2 |theta|^2) / (|k|^2 + lam + eps)``: one SGD step of lr
     ``beta`` on it is ``W <- (1 - e lam) W + e (v - W k) k^T`` with the normalised step

@@ -1,6 +1,6 @@
 """Update alignment: does a fast level's online update help what comes after it?
 
-The first-order analysis of functional plasticity (seed 000, section 5): a fast level with
+The first-order analysis of functional plasticity: a fast level with
 state ``theta`` makes an update at the end of each update period (every ``every`` tokens),
 with ``g`` the gradient of its own objective on the period's context (summed over the
 period's tokens, each taken at the period-start state, as the rule takes it) and ``delta``

@@ -1,5 +1,4 @@
-"""Regret utility (seed 000, section 5.3): does what a model learned on task A lower the regret
-of learning task B?
+"""Regret utility: does what a model learned on task A lower the regret of learning task B?
 
     U(dtheta_A) = E_B[Regret_B(theta_0) - Regret_B(theta_0 + dtheta_A)]
 

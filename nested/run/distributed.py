@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import logging as pylogging
 import os
 import socket
@@ -160,6 +161,13 @@ def _check_bindable(host: str, port: int, settings: Settings) -> None:
         ) from None
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def initialize(settings: Settings) -> None:
     """Join the run's processes (nothing for a single-process run); call before any other
     use of JAX. On CPU the collectives go through gloo. Starts the :class:`Watchdog` and
@@ -179,6 +187,8 @@ def initialize(settings: Settings) -> None:
             _check_bindable(host, port, settings)
         else:
             _wait_for(host, port, settings.timeout, settings)
+        if _is_loopback(host):  # listen where the processes are, not on every interface
+            options["coordinator_bind_address"] = f"{host}:{port}"
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             settings.coordinator_address,
