@@ -18,6 +18,8 @@ so ``vocab_size >= 257``), saved as ``out/tokenizer.json``. A path: a user's ``t
 read locally and copied to ``out/``; its end-of-document is ``eos`` when given, else the first of
 :data:`EOS_CANDIDATES` it has. Nothing is fetched from a hub. Documents are encoded without the
 tokenizer's own special tokens (``add_special_tokens=False``); the EOS id follows each document.
+:func:`prepared_tokenizer` gives back the tokenizer of a prepared folder (evaluation tokenizes
+text with it).
 
 **Split.** By document: a document goes to ``val`` when ``h < val_fraction``, ``h`` the first 8
 bytes of SHA-256 of ``f"{source}\\n{ordinal}"`` read as a big-endian fraction of 2**64.
@@ -298,6 +300,23 @@ def load_tokenizer(path: str, eos: str | None = None) -> Tokenizer:
                 "its end-of-document token with --eos"
             )
     return dataclasses.replace(_hf_tokenizer("file", hf, eos, f"--tokenizer={path}"), raw=raw)
+
+
+def prepared_tokenizer(folder: str | Path, index: dict) -> Tokenizer:
+    """The tokenizer the shards of the prepared ``folder`` (its ``index``) were made with, to
+    tokenize text as they were: ``bytes``, or the folder's ``tokenizer.json`` (its SHA-256 is
+    checked against the index; EOS the index's ``eos_id``). Raises :class:`PrepareError`."""
+    tok = index["tokenizer"]
+    if tok["kind"] == "bytes":
+        return bytes_tokenizer()
+    from tokenizers import Tokenizer as HF
+
+    file = Path(folder) / TOKENIZER_FILE
+    if not file.is_file() or sha256_file(file) != tok["sha256"]:
+        found = "is missing" if not file.is_file() else "does not match the index's sha256"
+        raise PrepareError(f"{file} {found}; prepare {folder} again with experiments/prepare.py")
+    hf = HF.from_file(str(file))
+    return _hf_tokenizer(tok["kind"], hf, hf.id_to_token(tok["eos_id"]), str(file))
 
 
 # ----------------------------------------------------------------------------- writing
