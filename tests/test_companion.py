@@ -335,3 +335,10 @@ def test_serving_on_a_port_in_use_fails_at_once_in_one_line(workdir):
     )
     assert time.monotonic() - began < 30  # before the model loads
     assert not (workdir / "companion.sqlite").exists()  # nothing opened
+
+
+def test_health_reports_the_fingerprint_as_an_object(server):
+    status, body = server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["vocab"] == 13
+    assert set(body["fingerprint"]) == {"architecture", "step"}
+    assert len(body["fingerprint"]["architecture"]) == 16

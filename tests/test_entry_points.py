@@ -101,3 +101,9 @@ def test_eval_overrides_apply_to_the_runs_config_without_the_config_file(tmp_pat
         "--config.model.dim: evaluating --workdir's run keeps its model; overrides may change "
         "['task.*', 'train.*'] (or pass --config, a config file)"
     )
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "serve.py", "prepare.py", "eval_lm.py"])
+def test_help_prints_the_flags_and_exits_0(script):
+    status, out, _ = run(str(tiny_configs.ROOT / "experiments" / script), "--help")
+    assert status == 0 and "--helpfull" in out and "flags:" in out

@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import contextlib
 import hmac
+import json
 import threading
 from typing import Any
 
@@ -192,7 +193,7 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
         return {
             "status": "ok",
             "agents": companion.store.count(),
-            "fingerprint": companion.fingerprint,
+            "fingerprint": json.loads(companion.fingerprint),
             "vocab": companion.vocab,
         }
 

@@ -330,10 +330,15 @@ def format_summary(result: dict[str, Any]) -> str:
     for method, rows in result["sessions"].items():
         novel = " ".join(f"{100 * v:.0f}" for v in rows["novel"]["mean"])
         recover = result["summary"][method]["recover"].get("sessions")
+        recovery = (
+            "does not recover within the sessions"
+            if recover is None
+            else f"recovers in {recover} session(s)"
+        )
         lines.append(
             f"{method:>14}: novel accuracy by session (%) {novel}; facts "
             f"{100 * rows['facts']['mean'][-1]:.0f}%; regret {rows['regret']['mean'][-1]:.1f} "
-            f"errors; recovers in {recover} session(s)"
+            f"errors; {recovery}"
         )
     size, latency = result["bytes"], result["latency"]
     lines.append(

@@ -39,6 +39,7 @@ from nested.run.checkpoint import CheckpointError
 from nested.run.distributed import DistributedError
 from nested.run.memory_state import MemoryStateError
 
+HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}
 USER_ERRORS = (
     config_lib.ConfigError,
     NonFiniteError,
@@ -135,6 +136,10 @@ def parse_flags(argv: Sequence[str], *, config_from_workdir: bool = False) -> li
         argv = [a for a in argv if not a.startswith(prefix)]
     try:
         rest = flags.FLAGS(argv)
+    except SystemExit:  # absl's help flags print the usage, then exit 1: asked for, it is 0
+        if HELP_FLAGS.intersection(argv):
+            sys.exit(0)
+        raise
     except Exception as error:  # noqa: BLE001 - ml_collections raises all sorts
         sys.exit(f"error: {_flag_error(argv, error)}")
     if len(rest) > 1:
