@@ -23,6 +23,13 @@ _PORT = flags.DEFINE_integer("port", 8080, "Port to listen on.")
 _STORE = flags.DEFINE_string("store", None, "SQLite file of the agents' states.")
 _KEY = flags.DEFINE_string("api_key_file", None, "File holding the bearer key (one line).")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 256, "Most agents in one jitted call.")
+_OTHER_STEPS = flags.DEFINE_enum(
+    "other_steps",
+    "serve",
+    list(engine.OTHER_STEPS),
+    "Agents stored by the slow weights of another step (the run trained on since): serve "
+    "them on these weights, or refuse them (409). Export works either way.",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -51,10 +58,15 @@ def main(argv):
         _check_port(_HOST.value, _PORT.value)  # before the model loads
         try:
             companion = engine.Companion.open(
-                _WORKDIR.value, _STORE.value, max_batch=_MAX_BATCH.value
+                _WORKDIR.value,
+                _STORE.value,
+                max_batch=_MAX_BATCH.value,
+                other_steps=_OTHER_STEPS.value,
             )
         except engine.CompanionError as error:
             sys.exit(f"error: {error}")
+        for line in companion.other_writers():
+            print(f"note: {line}", flush=True)
         app = server.create_app(companion, api_key=key)
         print(f"serving {_WORKDIR.value} on http://{_HOST.value}:{_PORT.value}", flush=True)
         uvicorn.run(app, host=_HOST.value, port=_PORT.value, log_level="warning")

@@ -342,3 +342,32 @@ def test_health_reports_the_fingerprint_as_an_object(server):
     assert status == 200 and body["status"] == "ok" and body["vocab"] == 13
     assert set(body["fingerprint"]) == {"architecture", "step"}
     assert len(body["fingerprint"]["architecture"]) == 16
+
+
+def test_more_training_does_not_lock_agents_out(workdir, tmp_path):
+    """States written by the slow weights of an earlier step are served on (and stored as the
+    new step's at their next observe) or refused, as chosen; export works either way."""
+    store = tmp_path / "agents.sqlite"
+    old = Companion.open(workdir, store)
+    old.observe({"a": tokens(1)})
+    old.store.close()
+    trained = loading.load_trained(workdir)
+    later = Trained(trained.experiment, trained.state, trained.step + 50)  # trained on since
+    refusing = Companion(later, SQLiteStore(store), other_steps="refuse")
+    assert refusing.other_writers() == [
+        f"1 agent(s) written by the slow weights of step {trained.step}: refused (--other_steps)"
+    ]
+    (answer,) = refusing.recall({"a": [[1]]}).values()
+    assert f"slow weights of step {trained.step}, these are of step {trained.step + 50}" in (
+        answer["error"]
+    )
+    exported = serialization.msgpack_restore(refusing.export_agent("a"))
+    assert json.loads(exported["fingerprint"])["step"] == trained.step and exported["tokens"] == 8
+    refusing.store.close()
+    serving = Companion(later, SQLiteStore(store))
+    assert "served on those of step" in serving.other_writers()[0]
+    assert "error" not in serving.recall({"a": [[1]]})["a"]
+    serving.observe({"a": tokens(2)})  # continued on the new weights, stored as theirs
+    assert serving.other_writers() == [] and serving.tokens_observed("a") == 16
+    serving.import_agent("b", serialization.msgpack_serialize(exported))
+    assert "error" not in serving.recall({"b": [[1]]})["b"]

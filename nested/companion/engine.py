@@ -24,7 +24,13 @@ exactly); queries are padded at the end to a power of two (a causal model's read
 last token does not see what follows).
 
 Each stored state carries the fingerprint of the model that wrote it (architecture and
-slow-weights step); a state of another model is refused with :class:`CompanionError`.
+slow-weights step). A state of another architecture is refused with :class:`CompanionError`
+(its arrays would compute nonsense). A state of the same architecture written with the slow
+weights of another step (the run trained on since) is a choice, ``other_steps``: ``"serve"``
+(the default) continues it on these weights, and its next observe stores it as theirs;
+``"refuse"`` answers 409 for it. Replaying an agent's history onto the new weights is not
+possible: the store keeps states, not the tokens that made them. :meth:`Companion.export_agent`
+always works, whoever wrote the state: a user's data is never held hostage.
 """
 
 from __future__ import annotations
@@ -105,7 +111,18 @@ class Companion:
     ``max_batch``: the most agents in one call (larger requests are split).
     """
 
-    def __init__(self, trained, store: Store, *, max_batch: int = 256, top_k: int = 5):
+    def __init__(
+        self,
+        trained,
+        store: Store,
+        *,
+        max_batch: int = 256,
+        top_k: int = 5,
+        other_steps: str = "serve",
+    ):
+        if other_steps not in OTHER_STEPS:
+            raise CompanionError(f"other_steps={other_steps!r}: use one of {OTHER_STEPS}")
+        self.other_steps = other_steps
         program = trained.program
         self.carried = sorted(
             level.name for level in program.system.fast_levels if level.persist == "stream"
@@ -144,19 +161,57 @@ class Companion:
                 store.close()
             raise
 
+    def other_writers(self) -> list[str]:
+        """One line per group of stored agents written by another model or slow-weights step
+        than this one, saying what happens to them here."""
+        lines = []
+        ours = json.loads(self.fingerprint)
+        for fingerprint, n in sorted(self.store.writers().items()):
+            if fingerprint == self.fingerprint:
+                continue
+            theirs = _fingerprint(fingerprint)
+            if theirs.get("architecture") != ours["architecture"]:
+                what = "another model: refused (export them, or forget them)"
+            elif self.other_steps == "serve":
+                what = (
+                    f"the slow weights of step {theirs.get('step')}: served on those of step "
+                    f"{ours['step']} (--other_steps=refuse refuses them)"
+                )
+            else:
+                what = f"the slow weights of step {theirs.get('step')}: refused (--other_steps)"
+            lines.append(f"{n} agent(s) written by {what}")
+        return lines
+
     # -- states ------------------------------------------------------------------------------
 
     def fresh(self):
         """The state an unknown agent starts from (the learned initial state), one row."""
         return self.template
 
-    def _decode(self, agent_id: str, record: Record):
-        if record.fingerprint != self.fingerprint:
+    def check_writer(self, fingerprint: str, what: str) -> None:
+        """Raise :class:`CompanionError` (409) when a state with ``fingerprint`` may not be
+        served here: another architecture always, another slow-weights step when
+        ``other_steps="refuse"``."""
+        if fingerprint == self.fingerprint:
+            return
+        theirs, ours = _fingerprint(fingerprint), json.loads(self.fingerprint)
+        if theirs.get("architecture") != ours["architecture"]:
             raise CompanionError(
-                f"agent {agent_id!r}: its stored state was written by another model "
-                f"({record.fingerprint}, this one {self.fingerprint}); forget it or serve the "
-                f"model that wrote it"
+                f"{what} was written by another model (architecture "
+                f"{theirs.get('architecture')}, this one {ours['architecture']}); export it and "
+                f"import it into the model that wrote it, or forget it",
+                status=409,
             )
+        if self.other_steps == "refuse":
+            raise CompanionError(
+                f"{what} was written with the slow weights of step {theirs.get('step')}, these "
+                f"are of step {ours['step']}; serve with --other_steps=serve to continue it on "
+                f"these weights, or export it",
+                status=409,
+            )
+
+    def _decode(self, agent_id: str, record: Record):
+        self.check_writer(record.fingerprint, f"agent {agent_id!r}: its stored state")
         return serialization.from_bytes(self.template, record.state)
 
     def states(self, ids: Sequence[str]) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
@@ -391,17 +446,28 @@ class Companion:
         return tokens[agent_id]
 
     def export_agent(self, agent_id: str) -> bytes:
-        """The agent's state as a portable file (flax msgpack: fingerprint, tokens, state)."""
-        states, tokens, errors = self.states([check_agent_id(agent_id)])
-        if errors:
-            raise CompanionError(errors[agent_id], status=409)
-        state = serialization.to_state_dict(states[agent_id])
-        content = {"fingerprint": self.fingerprint, "tokens": tokens[agent_id], "state": state}
+        """The agent's state as a portable file (flax msgpack: the fingerprint of the model
+        that wrote it, tokens, state), whichever model wrote it; an unknown agent exports the
+        learned initial state. Only a damaged state cannot be exported (409)."""
+        record = self.store.get_many([check_agent_id(agent_id)]).get(agent_id)
+        if isinstance(record, DamagedState):
+            raise CompanionError(str(record), status=409)
+        if record is None:
+            state, fingerprint, tokens = (
+                serialization.to_state_dict(self.fresh()),
+                self.fingerprint,
+                0,
+            )
+        else:
+            state = serialization.msgpack_restore(record.state)
+            fingerprint, tokens = record.fingerprint, record.tokens
+        content = {"fingerprint": fingerprint, "tokens": tokens, "state": state}
         return serialization.msgpack_serialize(content)
 
     def import_agent(self, agent_id: str, data: bytes) -> int:
-        """Store a state exported by :meth:`export_agent` (of this model only) as
-        ``agent_id``'s; returns its tokens observed."""
+        """Store a state exported by :meth:`export_agent` as ``agent_id``'s, keeping the
+        fingerprint of the model that wrote it (refused as :meth:`check_writer` says);
+        returns its tokens observed."""
         check_agent_id(agent_id)
         try:
             content = serialization.msgpack_restore(data)
@@ -409,19 +475,29 @@ class Companion:
             state = serialization.from_state_dict(self.template, content["state"])
         except Exception as error:  # noqa: BLE001 - any malformed file is the caller's
             raise CompanionError(f"import: not a companion state file ({error!r:.200})") from error
-        if fingerprint != self.fingerprint:
-            raise CompanionError(
-                f"import: the state was written by another model ({fingerprint}, this one "
-                f"{self.fingerprint}); import it into the model that wrote it"
-            )
+        try:
+            self.check_writer(str(fingerprint), "import: the state")
+        except CompanionError as error:
+            raise CompanionError(str(error)) from None  # a bad request, not a conflict
         same = jax.tree.map(
             lambda a, b: a.shape == b.shape and a.dtype == b.dtype, state, self.template
         )
         if not all(jax.tree.leaves(same)):
             raise CompanionError("import: the state's arrays do not fit this model's")
-        record = Record(serialization.to_bytes(state), self.fingerprint, tokens)
+        record = Record(serialization.to_bytes(state), str(fingerprint), tokens)
         self.store.put_many({agent_id: record})
         return tokens
+
+
+OTHER_STEPS = ("serve", "refuse")
+
+
+def _fingerprint(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def agent_bytes(companion: Companion) -> int:

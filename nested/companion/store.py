@@ -64,6 +64,9 @@ class Store(Protocol):
     def count(self) -> int:
         """Agents stored."""
 
+    def writers(self) -> dict[str, int]:
+        """Agents stored per fingerprint of the model that wrote them."""
+
 
 class SQLiteStore:
     """:class:`Store` in a SQLite database file at ``path`` (created if missing)."""
@@ -142,6 +145,12 @@ class SQLiteStore:
 
     def count(self) -> int:
         return self._connection().execute("SELECT COUNT(*) FROM agents").fetchone()[0]
+
+    def writers(self) -> dict[str, int]:
+        rows = self._connection().execute(
+            "SELECT fingerprint, COUNT(*) FROM agents GROUP BY fingerprint"
+        )
+        return {fingerprint: int(n) for fingerprint, n in rows}
 
     def close(self) -> None:
         """Close this thread's connection and release the store for another writer."""
