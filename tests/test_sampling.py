@@ -155,6 +155,10 @@ def test_export_and_import_round_trip_and_refuse_another_model(trained, corpus, 
     for name, message in [("junk", "is not an exported model"), ("none", "no exported model")]:
         with pytest.raises(export.ExportError, match=message):
             nl.import_model(tmp_path / name)
+    (tmp_path / "big.png").write_bytes(b"\x89PNG\r\n" + bytes(range(256)) * 400)
+    with pytest.raises(export.ExportError, match="is not an exported model") as info:
+        nl.import_model(tmp_path / "big.png")
+    assert len(str(info.value)) < 400  # the file is not quoted back
 
 
 def test_sample_entry_point_prints_the_continuation(workdir, trained):

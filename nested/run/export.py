@@ -107,7 +107,7 @@ def import_model(path: str | Path, config: config_dict.ConfigDict | None = None)
             f"no exported model at {str(path)!r}; write one with export_model"
         ) from None
     except Exception as error:  # noqa: BLE001 - whatever does not parse is not an export
-        raise ExportError(f"{str(path)!r} is not an exported model ({error!r})") from error
+        raise ExportError(f"{str(path)!r} is not an exported model ({error!r:.200})") from error
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an exported model (no format {FORMAT!r})")
     saved = content.get("fingerprint")
