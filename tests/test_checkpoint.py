@@ -298,3 +298,17 @@ def test_checkpoint_of_other_dtypes_is_another_model(tmp_path, continual):
     saved, expected = message.split(", expected ")
     assert saved.endswith(' float32"') and expected.startswith('"') and ' float16"' in expected
     assert message.endswith("; use a new workdir or the config it was trained with")
+
+
+def test_a_memory_a_task_of_agents_would_discard_is_refused_before_compiling(tmp_path):
+    """Eval batches of a task with agents start a new agent in every row: a loaded memory
+    would be replaced before it is read, the results identical with or without it."""
+    exp = nc.build(tiny_configs.config("continual", task__agent_every=2))
+    state = train.init_state(exp, train.make_layout(exp))
+    workdir = _workdir(tmp_path / "agents", exp, state)
+    session = tmp_path / "m1"
+    memory_state.save(session, state.fast, fingerprint=fingerprint.of(exp.config, 1))
+    with pytest.raises(nc.ConfigError, match="starts a new agent in every row at its first task0"):
+        train.evaluate_workdir(None, workdir, load_memory=session)
+    config = tiny_configs.config("continual", task__agent_every=0)  # the way it says
+    assert train.evaluate_workdir(config, workdir, load_memory=session)["load_memory"]

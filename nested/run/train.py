@@ -710,6 +710,22 @@ def _title(config) -> str:
 # -- evaluating a workdir ---------------------------------------------------------------------
 
 
+def _check_memory_is_read(task, batch_size: int, load_memory) -> None:
+    """Raise :class:`ConfigError` when the first eval batch of a split restarts every row
+    (its ``reset`` extra: a new agent in each row), which would replace the loaded memory by
+    the learned initial state before it is read."""
+    for split in task.eval_splits:
+        batch = data.as_arrays(task.batch(0, batch_size, split=split), extras=data.STREAM_EXTRAS)
+        reset = batch.get("reset")
+        if reset is not None and bool(np.all(reset[:, 0] > 0)):
+            raise ConfigError(
+                f"--load_memory={load_memory}: task {task.name} starts a new agent in every row "
+                f"at its first {split} batch, so the loaded memory would be replaced by the "
+                f"learned initial state before it is read; evaluate it on a task without agents "
+                f"(e.g. --config.task.agent_every=0)"
+            )
+
+
 def evaluate_workdir(
     config: config_dict.ConfigDict | None,
     workdir: str | Path,
@@ -749,6 +765,8 @@ def evaluate_workdir(
     if load_memory is not None:
         memory_state.read_meta(load_memory)
     check_task(exp.task)
+    if load_memory is not None:
+        _check_memory_is_read(exp.task, cfg.eval_batch_size, load_memory)
     layout = make_layout(exp)
     restored = restore_latest(exp, directory, layout)
     state, model = restored.state, fingerprint.of(exp.config, restored.step)
