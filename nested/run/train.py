@@ -260,6 +260,7 @@ def evaluate(
     splits: Iterable[str] | None = None,
     carry: bool = False,
     layout: sharding.Layout | None = None,
+    progress: bool = False,
 ) -> tuple[dict[str, dict[str, float]], object]:
     """Metrics per held-out split, averaged over ``batches`` batches weighted by the number
     of scored positions; and the final fast state.
@@ -268,11 +269,20 @@ def evaluate(
     the run). ``carry=True`` (a session): the fast state carries from batch to batch, split
     after split, and the one it ends with is returned, so the model keeps learning.
     ``layout``: the batches become global arrays of it, this process feeding its rows.
+    ``progress``: a progress bar over the batches (on a terminal).
     """
     rows = slice(None) if layout is None else layout.rows(batch_size)
     fast = state.fast
     results = {}
-    for split in task.eval_splits if splits is None else splits:
+    splits = list(task.eval_splits if splits is None else splits)
+    bar = tqdm(
+        total=len(splits) * batches,
+        unit="batch",
+        desc="eval",
+        file=sys.stderr,
+        disable=None if progress else True,
+    )
+    for split in splits:
         parts = []
         for i in range(batches):
             made = task.batch(i, batch_size, split=split)
@@ -283,9 +293,11 @@ def evaluate(
                 batch = layout.put(batch, batch_size)
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
             parts.append(jax.device_get(out))
+            bar.update()
             if carry:
                 fast = new_fast
         results[split] = _aggregate(parts, task)
+    bar.close()
     return results, fast
 
 
@@ -584,7 +596,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                 _check_skipped(skipped, step, cfg)
                 rate = tokens / max(time.perf_counter() - window_start, 1e-9)
                 bar.update(count)
-                bar.set_postfix(loss=f"{out['loss'][-1]:.4f}", tokens_per_s=f"{rate:.0f}")
+                # The bar shows what the log lines show: the mean over the log window so far.
+                window_loss = _window_means(window).get("loss", float("nan"))
+                bar.set_postfix(loss=f"{window_loss:.4f}", tokens_per_s=f"{rate:.0f}")
 
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     seconds = time.perf_counter() - window_start
@@ -593,7 +607,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
                     values["tokens_per_s"] = tokens / seconds
                     record = writer.write(step, metrics.TRAIN, values)
                     shown = ("loss", "accuracy", "grad_norm", "tokens_per_s")
-                    logging.info("step %d/%d: %s", step, cfg.steps, _fmt(record, shown))
+                    with tqdm.external_write_mode(file=sys.stderr):  # the line above the bar
+                        logging.info("step %d/%d: %s", step, cfg.steps, _fmt(record, shown))
                     window, window_start, tokens = [], time.perf_counter(), 0
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     _evaluate_and_log(eval_fn, state, task, cfg, writer, step, layout)
@@ -695,7 +710,8 @@ def _evaluate_and_log(eval_fn, state, task, cfg, writer, step, layout) -> None:
     for split, values in results.items():
         record = writer.write(step, split, values)
         shown = ("loss", "accuracy", "bpc")
-        logging.info("eval %s at step %d: %s", split, step, _fmt(record, shown))
+        with tqdm.external_write_mode(file=sys.stderr):
+            logging.info("eval %s at step %d: %s", split, step, _fmt(record, shown))
 
 
 def _fmt(record: Mapping, names: Iterable[str]) -> str:
@@ -781,6 +797,7 @@ def evaluate_workdir(
         batch_size=cfg.eval_batch_size,
         carry=session,
         layout=layout,
+        progress=distributed.is_primary(),
     )
     if save_memory is not None:
         memory_state.save(save_memory, fast, fingerprint=model)
