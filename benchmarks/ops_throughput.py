@@ -11,7 +11,15 @@ gradient of ``sum(o) + sum(final_state)`` w.r.t. every input, after a warm-up) o
 temporary memory XLA allocates for each compiled program. The float32 2048x2048 matmul rate is
 measured in the same run, so rows can be read as a fraction of this machine's peak. ``--peers``
 runs ../shared/peers/bench_peers.py in its own torch venv and prints its rows next to ours.
-``ttt_linear``'s chunk is semantic (mini-batch 16 vs online SGD), so its ratio compares two rules.
+``ttt_linear``'s chunk is semantic (mini-batch 16 vs online SGD), so its ratio compares two rules,
+as do the rows of the two neural ops with document paths, TTT-MLP and Titans (a two-layer MLP
+memory of width D, mini-batch 16; per token: the online rule).
+
+The cost of document boundaries (packed rows, ``nested.ops.documents``): the default path again
+with ``starts``, four documents a row of about T / 4 tokens whose lengths are no multiple of a
+chunk (the gradient also w.r.t. the state they start from), timed in turns with the same path
+without starts, and the median ratio of their times (``--no-documents``: skipped; Falcon-3's
+window has no document path, n/a).
 The tables go into this benchmark's section of benchmarks/README.md (``--no-write``: printed only).
 """
 
@@ -19,6 +27,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import report
 import timing
 
@@ -28,7 +37,7 @@ B, H, D = 4, 4, 64
 
 
 def make_inputs(t, seed=0):
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
     normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
     k = normal(B, t, H, D)
     gate = normal(B, t, H, D)
@@ -43,67 +52,153 @@ def make_inputs(t, seed=0):
         "erase": jax.nn.sigmoid(gate[..., ::-1]),
         "write": jax.nn.sigmoid(normal(B, t, H, D)),
         "log_decay": -jax.nn.softplus(normal(B, t, H, D) - 2.0),
+        "starts": document_starts(t),
+        "start_state": 0.1 * normal(B, H, D, D),
+        "lr": 0.1 * jax.nn.sigmoid(gate[..., 3]),
+        "momentum": jax.nn.sigmoid(gate[..., 4]),
+        "decay": 0.01 * jax.nn.sigmoid(gate[..., 5]),
+        "mlp": mlp(next(keys)),
+        "mlp_start": mlp(next(keys)),
     }
 
 
-# name -> (op(inputs, chunk_size), the inputs it reads and differentiates)
+def mlp(key):
+    """A two-layer MLP memory (hidden width D) for every batch row and head."""
+    return ops.init_mlp_memory(key, batch=B, heads=H, d_in=D, d_out=D, hidden=D)
+
+
+def document_starts(t):
+    """(B, T) bool: documents of about t / 4 tokens, shifted by a few tokens row by row so that
+    no length is a multiple of a chunk."""
+    starts = np.zeros((B, t), bool)
+    for row in range(B):
+        positions = [j * t // 4 + 3 * row + 5 for j in range(1, 4)]
+        starts[row, [p for p in positions if 0 < p < t]] = True
+    return jnp.asarray(starts)
+
+
+# name -> (op(inputs, chunk_size[, starts=, start_state=]), the inputs it reads and
+# differentiates, the input the documents after the first start from: None where the op has
+# no document path).
 OPS = {
     "linear_attention": (
-        lambda a, c: ops.linear_attention(a["q"], a["k"], a["v"], chunk_size=c),
+        lambda a, c, **d: ops.linear_attention(a["q"], a["k"], a["v"], chunk_size=c, **d),
         ("q", "k", "v"),
+        "start_state",
     ),
     "delta_rule": (
-        lambda a, c: ops.delta_rule(a["q"], a["k"], a["v"], a["beta"], chunk_size=c),
+        lambda a, c, **d: ops.delta_rule(a["q"], a["k"], a["v"], a["beta"], chunk_size=c, **d),
         ("q", "k", "v", "beta"),
+        "start_state",
     ),
     "gated_delta_rule": (
-        lambda a, c: ops.gated_delta_rule(
-            a["q"], a["k"], a["v"], a["beta"], log_alpha=a["log_alpha"], chunk_size=c
+        lambda a, c, **d: ops.gated_delta_rule(
+            a["q"], a["k"], a["v"], a["beta"], log_alpha=a["log_alpha"], chunk_size=c, **d
         ),
         ("q", "k", "v", "beta", "log_alpha"),
+        "start_state",
     ),
     "falcon (1)": (
-        lambda a, c: ops.falcon(a["q"], a["k"], a["v"], a["beta"], a["lam"], chunk_size=c),
+        lambda a, c, **d: ops.falcon(
+            a["q"], a["k"], a["v"], a["beta"], a["lam"], chunk_size=c, **d
+        ),
         ("q", "k", "v", "beta", "lam"),
+        "start_state",
     ),
     "falcon (2: per-channel)": (
-        lambda a, c: ops.falcon(a["q"], a["k"], a["v"], a["beta_rows"], a["lam"], chunk_size=c),
+        lambda a, c, **d: ops.falcon(
+            a["q"], a["k"], a["v"], a["beta_rows"], a["lam"], chunk_size=c, **d
+        ),
         ("q", "k", "v", "beta_rows", "lam"),
+        "start_state",
     ),
     "falcon (3: window 4)": (
         lambda a, c: ops.falcon(
             a["q"], a["k"], a["v"], a["beta"], a["lam"], window=4, chunk_size=c
         ),
         ("q", "k", "v", "beta", "lam"),
+        None,
     ),
     "gdn2": (
-        lambda a, c: ops.gdn2(
-            a["q"], a["k"], a["v"], a["erase"], a["write"], a["log_decay"], chunk_size=c
+        lambda a, c, **d: ops.gdn2(
+            a["q"], a["k"], a["v"], a["erase"], a["write"], a["log_decay"], chunk_size=c, **d
         ),
         ("q", "k", "v", "erase", "write", "log_decay"),
+        "start_state",
     ),
     "ttt_linear (mini-batch 16)": (
-        lambda a, c: ops.ttt_linear(
-            a["q"], a["k"], a["v"], a["beta"], initial_state=None, chunk_size=c or 16
+        lambda a, c, **d: ops.ttt_linear(
+            a["q"], a["k"], a["v"], a["beta"], initial_state=None, chunk_size=c or 16, **d
         ),
         ("q", "k", "v", "beta"),
+        "start_state",
+    ),
+    "ttt_mlp (mini-batch 16)": (
+        lambda a, c, starts=None, start_state=None: ops.ttt_mlp(
+            a["q"],
+            a["k"],
+            a["v"],
+            a["lr"],
+            params=a["mlp"],
+            chunk_size=c or 16,
+            starts=starts,
+            start_params=start_state,
+        ),
+        ("q", "k", "v", "lr", "mlp"),
+        "mlp_start",
+    ),
+    "titans (mini-batch 16)": (
+        lambda a, c, starts=None, start_state=None: ops.titans(
+            a["q"],
+            a["k"],
+            a["v"],
+            a["lr"],
+            a["momentum"],
+            a["decay"],
+            state=ops.titans_state(a["mlp"]),
+            chunk_size=c or 16,
+            starts=starts,
+            start_state=None if start_state is None else ops.titans_state(start_state),
+        ),
+        ("q", "k", "v", "lr", "momentum", "decay", "mlp"),
+        "mlp_start",
     ),
 }
 
 
-def measure(op, names, inputs, chunk, runs):
-    """(tokens/s, temporary MiB) of the jitted forward+backward pass."""
+def gradient(op, names, inputs, chunk, start=None):
+    """The compiled forward+backward pass and its argument: the gradient of ``sum(o) +
+    sum(final_state)`` w.r.t. the inputs ``names`` (and with documents, the input ``start``
+    they start from)."""
+    names = names if start is None else (*names, start)
     rest = {n: x for n, x in inputs.items() if n not in names}
 
     def loss(diff):
-        o, state = op({**rest, **diff}, chunk)
-        return jnp.sum(o) + jnp.sum(state)
+        a = {**rest, **diff}
+        keywords = {} if start is None else {"starts": a["starts"], "start_state": a[start]}
+        o, state = op(a, chunk, **keywords)
+        return jnp.sum(o) + sum(jnp.sum(x) for x in jax.tree.leaves(state))
 
     diff = {n: inputs[n] for n in names}
-    compiled = jax.jit(jax.grad(loss)).lower(diff).compile()
+    return jax.jit(jax.grad(loss)).lower(diff).compile(), diff
+
+
+def measure(op, names, inputs, chunk, runs):
+    """(tokens/s, temporary MiB) of the jitted forward+backward pass."""
+    compiled, diff = gradient(op, names, inputs, chunk)
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
     seconds = timing.median_seconds(compiled, (diff,), runs)
     return B * inputs["q"].shape[1] / seconds, temp
+
+
+def measure_documents(op, names, start, inputs, runs):
+    """(tokens/s with starts, median time ratio with / without starts) of the default path,
+    the two programs timed in turns (the same machine load)."""
+    plain, diff = gradient(op, names, inputs, None)
+    packed, packed_diff = gradient(op, names, inputs, None, start)
+    turns = timing.paired_seconds((lambda: plain(diff), lambda: packed(packed_diff)), (), runs)
+    seconds = float(np.median([t for _, t in turns]))
+    return B * inputs["q"].shape[1] / seconds, float(np.median([t / s for s, t in turns]))
 
 
 def main():
@@ -114,12 +209,15 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra chunk sizes")
     parser.add_argument("--no-per-token", action="store_true", help="skip chunk_size=1 rows")
     parser.add_argument("--peers", action="store_true", help="also run the PyTorch peers")
+    parser.add_argument("--no-documents", action="store_true", help="skip the starts columns")
     report.add_flag(parser, "ops_throughput")
     args = parser.parse_args()
 
     out = report.Report(args.section)
     out.print(f"B={B}, H={H}, d_k=d_v={D}, float32, forward+backward\n")
     header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
+    if not args.no_documents:
+        header += ["with starts tok/s", "time with / without starts"]
     header += [f"C={c} tok/s" for c in args.chunks]
     header += ["default temp MiB", "per-token temp MiB"]
     out.print("| " + " | ".join(header) + " |")
@@ -128,7 +226,7 @@ def main():
     for t in args.T:
         inputs = make_inputs(t)
         for name in args.ops:
-            op, names = OPS[name]
+            op, names, start = OPS[name]
             fast, fast_mem = measure(op, names, inputs, None, args.runs)
             ours[(name, t)] = fast
             swept = [measure(op, names, inputs, c, args.runs)[0] for c in args.chunks]
@@ -136,6 +234,11 @@ def main():
             if not args.no_per_token:
                 slow, slow_mem = measure(op, names, inputs, 1, args.runs)
             row = [name, str(t), f"{fast:,.0f}", f"{slow:,.0f}", f"{fast / slow:.1f}x"]
+            if not args.no_documents:
+                row += ["n/a", "n/a"]
+                if start is not None:
+                    packed, cost = measure_documents(op, names, start, inputs, args.runs)
+                    row[-2:] = [f"{packed:,.0f}", f"{cost:.2f}x"]
             row += [f"{rate:,.0f}" for rate in swept]
             row += [f"{fast_mem:.0f}", f"{slow_mem:.0f}"]
             out.print("| " + " | ".join(row) + " |")

@@ -21,6 +21,15 @@ With ``every=1``, ``theta_s = theta_{t-1}`` and this is the online per-token def
 Sequences whose length is not a multiple of the block are padded with inert tokens (masked:
 the state does not change).
 
+Document starts (packed sequences, the varlen semantics of flash-linear-attention's
+``cu_seqlens``): a context may carry ``starts (B, T)``, True where a new document begins inside
+the row, and ``initial``, the state each such document starts from. Every document then runs
+exactly as if alone from ``initial``: its parameters, rule state and objective window restart
+there, its update chunks of ``every`` tokens (and truncations) are counted from its start and
+its last partial chunk ends at its end. The row's first document continues ``state`` as
+without starts. The generic path does this with a scan over tokens carrying ``theta_s``
+(:func:`run_documents`); a kernel runs such a context only if it declares ``documents=True``.
+
 ``run`` uses a kernel of :mod:`nested.ops.kernels` instead when one implements the level as
 declared (``path="auto"``); ``path="generic"`` always runs the loop above, and
 ``path="kernel"`` demands a kernel, raising an error that says why none implements the level.
@@ -51,12 +60,32 @@ class Context(NamedTuple):
 
     ``k (B, T, H, d_k)``, ``v (B, T, H, d_v)``, ``q (B, T, H, d_k)``; ``gates`` maps each gate
     name of the level to ``(B, T, H)``, or ``(B, T, H, size)`` for a vector gate.
+    ``starts (B, T)`` bool, True where a new document starts (never at position 0), and
+    ``initial``, the :class:`LevelState` every such document starts from (the structure,
+    dtypes and leading ``(B, H)`` of the state given to :func:`run`): both or neither.
     """
 
     k: jax.Array
     v: jax.Array
     q: jax.Array
     gates: dict[str, jax.Array]
+    starts: jax.Array | None = None
+    initial: LevelState | None = None
+
+
+def document_starts(documents: jax.Array) -> jax.Array:
+    """``starts (B, T)`` bool from document ids ``documents (B, T)`` int: True at ``t > 0``
+    where ``documents[:, t] != documents[:, t - 1]``."""
+    change = documents[:, 1:] != documents[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+
+
+def document_begins(starts: jax.Array) -> jax.Array:
+    """``(B, T)`` int32: the position where each position's document begins in its row (0 for
+    the row's first document), ``begin_t = max {s <= t : starts_s}``; ``t - begin_t`` is the
+    position within the document."""
+    T = starts.shape[1]
+    return jax.lax.cummax(jnp.where(starts, jnp.arange(T, dtype=jnp.int32), 0), axis=1)
 
 
 def initial_state(level: Level, params: Any, cache: Any = None) -> LevelState:
@@ -95,6 +124,13 @@ def check_context(level: Level, ctx: Context) -> None:
             raise ValueError(
                 f"{where}: context {field} has shape {shape}, the memory needs {(*lead, dim)}"
             )
+    if (ctx.starts is None) != (ctx.initial is None):
+        raise ValueError(f"{where}: context starts and initial come together; got one of them")
+    if ctx.starts is not None and (ctx.starts.shape != lead[:2] or ctx.starts.dtype != bool):
+        raise ValueError(
+            f"{where}: context starts must be bool {lead[:2]}, got {ctx.starts.dtype} "
+            f"{ctx.starts.shape}"
+        )
     missing = set(level.gates) - set(ctx.gates)
     if missing:
         raise ValueError(f"{where}: the owner emits no gate(s) {sorted(missing)}")
@@ -116,13 +152,24 @@ def block_tokens(level: Level) -> int:
 PATHS = ("auto", "kernel", "generic")
 
 
-def kernel_for(level: Level, path: str = "auto") -> kernels.Kernel | None:
-    """The kernel ``run`` uses for ``level`` on ``path`` (None: the generic loop)."""
+def kernel_for(level: Level, path: str = "auto", *, documents: bool = False):
+    """The kernel ``run`` uses for ``level`` on ``path`` (None: the generic loop).
+
+    ``documents``: the context has document starts, which only a kernel declaring
+    ``documents=True`` honours; ``path="auto"`` then falls back to the generic loop.
+    """
     if path not in PATHS:
         raise ValueError(f"path={path!r} is unknown; use one of {PATHS}")
     if path == "generic":
         return None
     kernel, reasons = kernels.find(level)
+    if kernel is not None and documents and not getattr(kernel, "documents", False):
+        if path == "kernel":
+            raise ValueError(
+                f"level {level.name!r}: kernel {kernel.name!r} does not implement document "
+                f"starts (Context.starts); run it with path='auto' or 'generic'"
+            )
+        return None
     if kernel is None and path == "kernel":
         why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
         raise ValueError(
@@ -137,11 +184,12 @@ def run(level: Level, state: LevelState, ctx: Context, *, path: str = "auto"):
     """Run a fast level over a sequence. Returns ``(o (B, T, H, d_v), final state)``.
 
     ``path``: ``"auto"`` (a kernel implementing the declaration, else the generic loop),
-    ``"kernel"`` (a kernel or an error) or ``"generic"``. The final state keeps the dtypes of
-    ``state`` (the context may compute in another one). A probe selecting the level
+    ``"kernel"`` (a kernel or an error) or ``"generic"``; with document starts in ``ctx``,
+    only kernels that implement them count (:func:`kernel_for`). The final state keeps the
+    dtypes of ``state`` (the context may compute in another one). A probe selecting the level
     (:func:`nested.core.probes.active`) runs it instead, whatever ``path``.
     """
-    kernel = kernel_for(level, path)
+    kernel = kernel_for(level, path, documents=ctx.starts is not None)
     check_context(level, ctx)
     probe = probes.active(level)
     if probe is not None:
@@ -162,7 +210,13 @@ def run_turns(level: Level, state: LevelState, ctx: Context, turn: int):
     """MemT turn semantics: the sequence is cut into turns of ``turn`` tokens; every token of
     a turn reads the snapshot ``theta_s`` taken at the turn's start, ``o_t = f_{theta_s}(q_t)``,
     and the turn's tokens are written afterwards, token by token (with the level's own rule
-    and period, its kernel included). Returns ``(o, final state)`` like :func:`run`."""
+    and period, its kernel included). Returns ``(o, final state)`` like :func:`run`. Document
+    starts are refused (turns count from the row's start)."""
+    if ctx.starts is not None:
+        raise ValueError(
+            f"level {level.name!r}: MemT turns do not implement document starts; run the "
+            f"layer without turn= or without documents"
+        )
     T = ctx.k.shape[1]
     full = T // turn * turn
     outputs = []
@@ -187,6 +241,14 @@ def run_turns(level: Level, state: LevelState, ctx: Context, turn: int):
 
 def _select(mask, new, old):
     return jax.tree.map(lambda n, o: jnp.where(mask, n, o), new, old)
+
+
+def select_rows(flag: jax.Array, new, old):
+    """``new`` in the rows where ``flag (B,)`` is set, else ``old``, leaf by leaf (leaves with
+    a leading batch dim): a fresh state for the rows whose call starts a document."""
+    return jax.tree.map(
+        lambda n, o: jnp.where(flag.reshape(flag.shape + (1,) * (n.ndim - 1)), n, o), new, old
+    )
 
 
 def retained(level: Level, params: Any, item: dict) -> Any:
@@ -298,19 +360,34 @@ def _run_one(level, params, opt_state, items, mask, n_blocks: int, block: int, h
     return o.reshape(n_blocks * block, -1), params, opt_state, stats
 
 
-def windowed(items: dict, window: int, names, buffer: dict) -> tuple[dict, dict]:
+def windowed(
+    items: dict, window: int, names, buffer: dict, starts=None, fresh=None
+) -> tuple[dict, dict]:
     """For each named item ``(B, T, H, ...)``, the last ``window`` values at every step,
     ``(B, T, H, window, ...)`` oldest first, the first ones from ``buffer`` (the previous
     call's last ``window - 1`` items, ``(B, H, window - 1, ...)``, keyed ``k``, ``v`` and
-    ``gate`` for the names in that order). Returns them and the buffer for the next call."""
+    ``gate`` for the names in that order). Returns them and the buffer for the next call.
+
+    With document ``starts (B, T)``, slot ``j`` of step ``t`` in a document beginning at
+    ``b > 0`` holds item ``t - window + 1 + j`` if that is ``>= b``, else entry ``t - b + j`` of
+    ``fresh`` (the buffer a document starts with, laid out as ``buffer``)."""
     out, tail = {}, {}
     for name, key in zip(names, ("k", "v", "gate"), strict=True):
         x = jnp.moveaxis(items[name], 1, 2)  # (B, H, T, ...)
         T = x.shape[2]
         full = jnp.concatenate([buffer[key].astype(x.dtype), x], axis=2)
         stacked = jnp.stack([full[:, :, i : i + T] for i in range(window)], axis=3)
+        if starts is not None:
+            begin = document_begins(starts)[:, :, None]  # (B, T, 1)
+            slot = jnp.arange(window)[None, None]
+            t = jnp.arange(T)[None, :, None]
+            before = (begin > 0) & (t - window + 1 + slot < begin)  # (B, T, window)
+            index = jnp.clip(t - begin + slot, 0, window - 2)
+            first = jax.vmap(lambda f, i: f[:, i])(fresh[key].astype(x.dtype), index)
+            before = before.reshape(before.shape[0], 1, *before.shape[1:], *(1,) * (x.ndim - 3))
+            stacked = jnp.where(before, first, stacked)
         out[name] = jnp.moveaxis(stacked, 2, 1)
-        tail[key] = full[:, :, T:].astype(buffer[key].dtype)
+        tail[key] = stacked[:, :, -1, 1:].astype(buffer[key].dtype)
     return out, tail
 
 
@@ -320,28 +397,48 @@ def run_generic(level: Level, state: LevelState, ctx: Context):
     return o, state
 
 
+def _items(level: Level, ctx: Context, cache):
+    """The context as items ``{"k", "v", "q", gate names: (B, T, H, ...)}``, windows stacked
+    for a windowed objective (:func:`windowed`), and the cache after them."""
+    items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
+    window = window_size(level)
+    if window > 1:
+        names = ("k", "v", level.objective.gate)
+        fresh = None if ctx.initial is None else ctx.initial.cache["window"]
+        stacked, buffer = windowed(items, window, names, cache["window"], ctx.starts, fresh)
+        items.update(stacked)
+        cache = {**cache, "window": buffer}
+    return items, cache
+
+
+def _padded(items: dict, pad: int) -> dict:
+    """Items padded by ``pad`` steps, ``(B, T, H, ...) -> (B, H, T + pad, ...)``: the vmaps
+    over B, then H see one memory's stream."""
+    items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items)
+
+
 def run_hooked(level: Level, state: LevelState, ctx: Context, hook: UpdateHook | None):
     """The generic inner loop with ``hook`` applied at the end of every update period.
 
     Returns ``(o, final state, stats)``: ``stats`` the hook's per-update statistics with
-    leading ``(B, H, U)`` (None without a hook).
+    leading ``(B, H, U)`` (None without a hook). A context with document starts runs
+    :func:`run_documents` (no hook).
     """
+    if ctx.starts is not None:
+        if hook is not None:
+            raise ValueError(
+                f"level {level.name!r}: update hooks (probes) do not run on a context with "
+                f"document starts; measure without documents"
+            )
+        return (*run_documents(level, state, ctx), None)
     B, T, H, _ = ctx.k.shape
     block = block_tokens(level)
     n_blocks = -(-T // block)
     pad = n_blocks * block - T
-    items = {"k": ctx.k, "v": ctx.v, "q": ctx.q, **ctx.gates}
-    cache = state.cache
-    window = window_size(level)
-    if window > 1:
-        names = ("k", "v", level.objective.gate)
-        stacked, buffer = windowed(items, window, names, cache["window"])
-        items.update(stacked)
-        cache = {**cache, "window": buffer}
-    items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
+    items, cache = _items(level, ctx, state.cache)
+    items = _padded(items, pad)
     mask = jnp.arange(T + pad) < T
-    # (B, T, H, ...) -> (B, H, T, ...) so that vmaps over B then H see one memory's stream.
-    items = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items)
     updates = -(-T // level.every)
     padded_updates = (T + pad) // level.every
     x = None
@@ -357,3 +454,68 @@ def run_hooked(level: Level, state: LevelState, ctx: Context, hook: UpdateHook |
     o = jnp.moveaxis(o, 1, 2)[:, :T]
     stats = jax.tree.map(lambda a: a[:, :, :updates], stats)
     return o, state.replace(params=params, opt_state=opt_state, cache=cache), stats
+
+
+def _document_flags(level: Level, starts: jax.Array, T_padded: int) -> dict:
+    """Per-step flags ``(B, T_padded)`` bool of a context with document ``starts (B, T)``:
+    ``start`` (a document starts), ``chunk`` (an update chunk starts: the position within
+    the document is a multiple of ``every``), ``cut`` (gradients stop: a positive multiple of
+    ``truncate`` within the document), ``valid`` (not padding)."""
+    B, T = starts.shape
+    starts = jnp.pad(starts, [(0, 0), (0, T_padded - T)])
+    position = jnp.arange(T_padded)[None] - document_begins(starts)
+    valid = jnp.broadcast_to(jnp.arange(T_padded)[None] < T, (B, T_padded))
+    cut = jnp.zeros_like(starts)
+    if level.truncate is not None:
+        cut = valid & (position > 0) & (position % level.truncate == 0)
+    return {"start": starts, "chunk": position % level.every == 0, "cut": cut, "valid": valid}
+
+
+def _run_one_documents(level, params, opt_state, initial, items, flags, n_blocks: int):
+    """The inner loop of one memory over a stream of documents: a scan over tokens whose
+    carry holds the state and the chunk-start parameters ``theta_s``. At a document start
+    the state is ``initial`` (``(params, opt_state)``); at a chunk start ``theta_s`` is the
+    state; every gradient is taken at ``theta_s``. Leaves of ``items`` and ``flags`` are
+    ``(T_padded, ...)``; blocks of ``T_padded / n_blocks`` tokens are rematerialised."""
+
+    def token(carry, inputs):
+        params, opt_state, start = carry
+        item, flag = inputs
+        params, opt_state = _select(flag["start"], initial, (params, opt_state))
+        params, opt_state = _select(
+            flag["cut"], jax.lax.stop_gradient((params, opt_state)), (params, opt_state)
+        )
+        start = _select(flag["chunk"], params, start)
+        grad = objective_grad(level, start, item)
+        new = rule_step(level, params, opt_state, grad, item)
+        params, opt_state = _select(flag["valid"], new, (params, opt_state))
+        read_params = params if level.read == "after_write" else start
+        return (params, opt_state, start), level.memory.apply(read_params, item["q"])
+
+    blocks = jax.tree.map(lambda x: x.reshape(n_blocks, -1, *x.shape[1:]), (items, flags))
+    block_step = jax.checkpoint(lambda carry, block: jax.lax.scan(token, carry, block))
+    (params, opt_state, _), o = jax.lax.scan(block_step, (params, opt_state, params), blocks)
+    return o.reshape(-1, o.shape[-1]), params, opt_state
+
+
+def run_documents(level: Level, state: LevelState, ctx: Context):
+    """The generic inner loop on a context with document starts: each document runs as if
+    alone from ``ctx.initial`` (its update chunks counted from its start, windows holding
+    none of the previous document's items); the row's first one continues ``state``.
+    Returns ``(o (B, T, H, d_v), final state)``."""
+    B, T, H, _ = ctx.k.shape
+    block = block_tokens(level)
+    n_blocks = -(-T // block)
+    pad = n_blocks * block - T
+    items, cache = _items(level, ctx, state.cache)
+    items = _padded(items, pad)
+    flags = _document_flags(level, ctx.starts, T + pad)
+    initial = (ctx.initial.params, ctx.initial.opt_state)
+
+    def one(params, opt_state, initial, items, flags):
+        return _run_one_documents(level, params, opt_state, initial, items, flags, n_blocks)
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, 0, None))
+    o, params, opt_state = jax.vmap(per_head)(state.params, state.opt_state, initial, items, flags)
+    o = jnp.moveaxis(o, 1, 2)[:, :T]
+    return o, state.replace(params=params, opt_state=opt_state, cache=cache)

@@ -19,6 +19,13 @@ with the parameters from before its span was learned (predict, then learn). The 
 differentiates through all of it (second order through every span's gradient), so it
 meta-learns the blocks' initial parameters; a ``first_order`` level's gradients are constants
 to it (no backward of the span's backward pass).
+
+Document ids ``documents (B, T)`` (packed rows): the model gets each span's ids, so every
+layer-local state restarts at a start inside the span, and the blocks' reads of a document
+starting inside a span use their initial parameters. Where a span's first token starts a
+document, the whole fast state restarts before the span; where a document starts later in a
+span, the outer-loss levels restart (tick 0) before the next one. So a packed row equals its
+documents run alone when they start at multiples of the shortest period ``w``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested.core import probes
+from nested.core import inner, probes
 from nested.core.level import Level, LevelState
 
 
@@ -48,25 +55,18 @@ def initial_state(level: Level, params: Any) -> LevelState:
     return LevelState(params, opt_state, cache, level.name)
 
 
-def _per_sequence(flag: jax.Array, new, old):
-    """Select ``new`` where the ``(B,)`` flag is set, leaf by leaf."""
-    return jax.tree.map(
-        lambda n, o: jnp.where(flag.reshape(flag.shape + (1,) * (n.ndim - 1)), n, o), new, old
-    )
-
-
 def _advance(level: Level, state: LevelState, grad: Any, tokens: int) -> LevelState:
     accum = jax.tree.map(jnp.add, state.cache.accum, grad)
     tick = state.cache.tick + tokens
     due = tick % level.every == 0
     mean = jax.tree.map(lambda a: a / level.every, accum)
     updates, opt_state = jax.vmap(level.rule.transform.update)(mean, state.opt_state, state.params)
-    params, opt_state = _per_sequence(
+    params, opt_state = inner.select_rows(
         due,
         (optax.apply_updates(state.params, updates), opt_state),
         (state.params, state.opt_state),
     )
-    accum = _per_sequence(due, jax.tree.map(jnp.zeros_like, accum), accum)
+    accum = inner.select_rows(due, jax.tree.map(jnp.zeros_like, accum), accum)
     return state.replace(params=params, opt_state=opt_state, cache=Accumulated(accum, tick))
 
 
@@ -80,7 +80,7 @@ def consolidate(level: Level, state: LevelState) -> LevelState:
         state.cache.accum,
     )
     updates, opt_state = jax.vmap(level.rule.transform.update)(mean, state.opt_state, state.params)
-    params, opt_state = _per_sequence(
+    params, opt_state = inner.select_rows(
         pending > 0,
         (optax.apply_updates(state.params, updates), opt_state),
         (state.params, state.opt_state),
@@ -94,7 +94,7 @@ def _truncate(level: Level, state: LevelState) -> LevelState:
     if level.truncate is None:
         return state
     cut = state.cache.tick % level.truncate == 0
-    return _per_sequence(cut, jax.lax.stop_gradient(state), state)
+    return inner.select_rows(cut, jax.lax.stop_gradient(state), state)
 
 
 def shortest_period(levels: dict[str, Level]) -> int:
@@ -104,7 +104,8 @@ def shortest_period(levels: dict[str, Level]) -> int:
 def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tuple[Any, Any]:
     """Run ``model(inputs, fast) -> (logits, fast)`` span by span (the shortest period),
     stepping the outer-loss ``levels`` (name -> Level) after each span; ``batch`` holds the
-    ``targets`` (and ``mask``) their objectives need. Returns ``(logits, fast)``."""
+    ``targets`` (and ``mask``) their objectives need, and optionally ``documents (B, T)``
+    (module docstring). Returns ``(logits, fast)``."""
     w = shortest_period(levels)
     B, T = inputs.shape
     if T % w:
@@ -113,22 +114,41 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             f"sequence length {T} is not a multiple of the period every={w} of level {name!r} "
             f"(the model runs period by period): use sequences whose length is a multiple of {w}"
         )
-    seqs = {"inputs": inputs, **{k: batch[k] for k in ("targets", "mask") if k in batch}}
+    names = ("targets", "mask", "documents")
+    seqs = {"inputs": inputs, **{k: batch[k] for k in names if k in batch}}
     spans = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B, T // w, w), 1, 0), seqs)
     objectives = list(dict.fromkeys(level.objective for level in levels.values()))
+    is_state = lambda x: isinstance(x, LevelState)
+    documents = "documents" in seqs
+    if documents:
+        # A span's first token starts a document: the whole fast state restarts before it.
+        # A start later in a span: the outer-loss levels restart before the next span.
+        starts = inner.document_starts(seqs["documents"]).reshape(B, T // w, w)
+        later = jnp.any(starts[:, :, 1:], axis=2)
+        later = jnp.concatenate([jnp.zeros_like(later[:, :1]), later[:, :-1]], axis=1)
+        spans["first"], spans["later"] = jnp.moveaxis(starts[:, :, 0], 1, 0), later.T
+        fresh_fast = model.initial_fast(B)
+        fresh = jax.tree.flatten(fresh_fast, is_leaf=is_state)[0]
 
     @jax.checkpoint
     def step(fast, span):
-        leaves, treedef = jax.tree.flatten(fast, is_leaf=lambda x: isinstance(x, LevelState))
+        if documents:
+            fast = inner.select_rows(span["first"], fresh_fast, fast)
+        leaves, treedef = jax.tree.flatten(fast, is_leaf=is_state)
         index = [i for i, x in enumerate(leaves) if isinstance(x, LevelState) and x.level in levels]
         for i in index:
+            if documents:
+                leaves[i] = inner.select_rows(span["later"], fresh[i], leaves[i])
             leaves[i] = _truncate(levels[leaves[i].level], leaves[i])
 
         def forward(memory_params):
             current = list(leaves)
             for i, params in zip(index, memory_params, strict=True):
                 current[i] = current[i].replace(params=params)
-            return model(span["inputs"], jax.tree.unflatten(treedef, current))
+            current = jax.tree.unflatten(treedef, current)
+            if documents:
+                return model(span["inputs"], current, documents=span["documents"])
+            return model(span["inputs"], current)
 
         logits, pullback, new_fast = jax.vjp(
             forward, [leaves[i].params for i in index], has_aux=True
@@ -142,7 +162,7 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
                 if level.objective == objective:
                     grad = memory_grads[n]
                     grads[n] = jax.lax.stop_gradient(grad) if level.first_order else grad
-        new_leaves, _ = jax.tree.flatten(new_fast, is_leaf=lambda x: isinstance(x, LevelState))
+        new_leaves, _ = jax.tree.flatten(new_fast, is_leaf=is_state)
         for n, i in enumerate(index):
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)
         return jax.tree.unflatten(treedef, new_leaves), logits

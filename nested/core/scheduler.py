@@ -13,8 +13,10 @@
 * ``eval_step(state, batch) -> metrics``.
 
 A batch is a mapping of ``inputs`` and ``targets``, ``(B, T)`` integer token ids, and optionally
-``mask (B, T)`` and ``reset (B, T)`` (set at the first position of rows that start a new stream:
-their carried fast state restarts from the learned initial state), or a
+``mask (B, T)``, ``reset (B, T)`` (set at the first position of rows that start a new stream:
+their carried fast state restarts from the learned initial state) and ``documents (B, T)``
+integer document ids of packed rows (every fast level restarts where a new document starts
+inside a row, :mod:`nested.core.inner`), or a
 :class:`nested.data.Batch`. Where a batch enters (``loss``, ``train_step``,
 ``eval_step``; ``apply``'s ``inputs``) its shapes and dtypes are checked when the function is
 traced, so under ``jax.jit`` too; token ids are checked to lie in ``[0, vocab)`` where their
@@ -45,10 +47,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from nested.core import guards, outer_loss, probes
+from nested.core import guards, inner, outer_loss, probes
 from nested.core.level import InitialState, Level, LevelState
 from nested.core.system import NestedSystem
-from nested.data.batch import Batch, as_arrays, check_arrays, check_tokens
+from nested.data.batch import Batch, as_arrays, check_arrays, check_documents, check_tokens
 
 
 @struct.dataclass
@@ -207,9 +209,7 @@ class Program:
                 return new
             if reset is None:
                 return old
-            return jax.tree.map(
-                lambda n, o: jnp.where(reset.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new, old
-            )
+            return inner.select_rows(reset, new, old)
 
         return jax.tree.map(pick, fresh, carried, is_leaf=_is_state)
 
@@ -239,24 +239,33 @@ class Program:
             rng=rng,
         )
 
-    def apply(self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None):
+    def apply(
+        self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None, documents=None
+    ):
         """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh).
 
         Model-level levels (CMS blocks, :mod:`nested.core.outer_loss`) learn only when ``targets``
         (and optionally ``mask``) are given; without them they read their current state.
+        ``documents (B, T)`` int: the document of each position of packed rows; every fast level
+        restarts from its learned initial state where a new one starts inside a row.
         ``inputs`` is checked as a batch's (module docstring).
         """
         self.check_tokens(inputs, "inputs")
-        return self._forward(params, inputs, fast, targets=targets, mask=mask)
+        if documents is not None:
+            check_documents(documents, inputs.shape, "apply")
+        return self._forward(params, inputs, fast, targets=targets, mask=mask, documents=documents)
 
-    def _forward(self, params, inputs, fast=None, *, targets=None, mask=None):
+    def _forward(self, params, inputs, fast=None, *, targets=None, mask=None, documents=None):
         if fast is None:
             fast = self.start_fast(params, inputs.shape[0])
         model = self.model(params)
         if self.outer_loss_levels and targets is not None:
-            batch = {"targets": targets} if mask is None else {"targets": targets, "mask": mask}
+            given = {"targets": targets, "mask": mask, "documents": documents}
+            batch = {k: v for k, v in given.items() if v is not None}
             return outer_loss.run(self.outer_loss_levels, model, inputs, fast, batch)
-        return model(inputs, fast)
+        if documents is None:
+            return model(inputs, fast)
+        return model(inputs, fast, documents=documents)
 
     def loss(self, params, batch, fast=None):
         """Outer objective of one batch: ``(loss, (metrics, final fast state))``.
@@ -280,7 +289,12 @@ class Program:
 
     def _loss(self, params, batch: dict, fast=None):
         logits, fast = self._forward(
-            params, batch["inputs"], fast, targets=batch["targets"], mask=batch.get("mask")
+            params,
+            batch["inputs"],
+            fast,
+            targets=batch["targets"],
+            mask=batch.get("mask"),
+            documents=batch.get("documents"),
         )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # bf16 -> f32
         loss, metrics = self.outer.objective(logits, batch)

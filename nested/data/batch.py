@@ -68,8 +68,10 @@ class Task(Protocol):
 
 
 # Extras a training loop passes on to the program: ``reset (B, T)``, set at the first position
-# of the rows whose stream starts anew (a new agent): their carried fast state restarts.
-STREAM_EXTRAS = ("reset",)
+# of the rows whose stream starts anew (a new agent): their carried fast state restarts;
+# ``documents (B, T)`` int, the document of each position of a packed row: every fast level
+# restarts where a new one starts inside the row.
+STREAM_EXTRAS = ("reset", "documents")
 
 
 def make_batch(
@@ -139,6 +141,19 @@ def check_arrays(arrays: Mapping[str, Any], vocab: int, where: str, *, source: s
             )
     for key in ("inputs", "targets"):
         check_tokens(arrays[key], vocab, f"{where}: {key}", source=source, fix=fix)
+    if "documents" in arrays:
+        check_documents(arrays["documents"], shape, where)
+
+
+def check_documents(documents: Any, shape: tuple, where: str) -> None:
+    """Raise ``ValueError`` unless ``documents`` is an integer array of ``shape`` (B, T):
+    document ids of packed rows, a new document where the id changes."""
+    dtype = getattr(documents, "dtype", None)
+    if tuple(np.shape(documents)) != tuple(shape) or not np.issubdtype(dtype, np.integer):
+        raise ValueError(
+            f"{where}: documents must be integer document ids of shape {tuple(shape)} like the "
+            f"inputs, got {dtype or type(documents).__name__} {tuple(np.shape(documents))}"
+        )
 
 
 def rng_for(seed: int, split: str, index: int) -> np.random.Generator:

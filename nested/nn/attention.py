@@ -5,7 +5,9 @@ AdaTransformer. Like the memory layers it is pure in its per-stream state:
 ``attention(x, cache) -> (y, cache)``. With a ``window`` of ``w`` tokens the cache keeps the
 last ``w - 1`` keys and values and the stream position, so a sequence processed in pieces
 gives the result of one call; without a window every call attends within itself only.
-Positions are encoded with rotary embeddings (RoPE).
+Positions are encoded with rotary embeddings (RoPE). With document ``starts (B, T)`` a token
+attends within its own document only (RoPE is relative, so this equals the document alone); the
+cache keeps where the current document began, so a later call does not reach back across it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nested.core import inner
+
 
 def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
-    """Rotate channel pairs of ``x (B, T, H, d)`` by angles ``positions (B, T) * base^(-2i/d)``."""
+    """Rotate channel pairs of ``x (B, T, H, d)`` by angles ``positions (B, T) * base^(-2i/d)``
+    (computed in float32 at least, in float64 for float64 ``x``)."""
     half = x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[..., None].astype(jnp.float32) * freqs[None, None]  # (B, T, half)
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    freqs = base ** (-jnp.arange(half, dtype=dtype) / half)
+    angles = positions[..., None].astype(dtype) * freqs[None, None]  # (B, T, half)
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -27,12 +33,14 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Ar
 
 
 def initial_cache(batch_size: int, window: int | None, heads: int, head_dim: int) -> dict:
-    """Empty per-stream cache: the last ``window - 1`` keys and values, and the position."""
+    """Empty per-stream cache: the last ``window - 1`` keys and values, the position, and the
+    position where the current document began (``begin``; keys before it are not attended)."""
     shape = (batch_size, (window or 1) - 1, heads, head_dim)
     return {
         "k": jnp.zeros(shape, jnp.float32),
         "v": jnp.zeros(shape, jnp.float32),
         "position": jnp.zeros((batch_size,), jnp.int32),
+        "begin": jnp.zeros((batch_size,), jnp.int32),
     }
 
 
@@ -47,12 +55,15 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
 
 
-def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Array, dict]:
+def causal_attention(
+    q, k, v, cache: dict, window: int | None, starts=None
+) -> tuple[jax.Array, dict]:
     """Causal softmax attention of ``q, k, v (B, T, H, d)`` with RoPE and a sliding window.
 
     Token ``t`` attends to ``t - window + 1 .. t`` (every earlier token of the call when
-    ``window`` is None), including the cached keys of the previous call. Returns
-    ``(y (B, T, H, d), cache)``.
+    ``window`` is None), including the cached keys of the previous call, from the start of
+    its document on (document ``starts (B, T)`` bool; the cache's ``begin`` before the first).
+    Returns ``(y (B, T, H, d), cache)``.
     """
     T = q.shape[1]
     start = cache["position"]
@@ -63,7 +74,11 @@ def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Arra
     values = jnp.concatenate([cache["v"].astype(v.dtype), v], axis=1)
     key_positions = start[:, None] + jnp.arange(-past, T)[None]
     offset = positions[:, :, None] - key_positions[:, None, :]  # (B, T, past + T)
-    allowed = (offset >= 0) & (key_positions[:, None, :] >= 0)
+    begin = jnp.broadcast_to(cache["begin"][:, None], positions.shape)  # (B, T)
+    if starts is not None:
+        within = inner.document_begins(starts)
+        begin = jnp.where(within > 0, start[:, None] + within, begin)
+    allowed = (offset >= 0) & (key_positions[:, None, :] >= begin[:, :, None])
     if window is not None:
         allowed &= offset < window
     y = attend(q, keys, values, allowed[:, None])
@@ -71,6 +86,7 @@ def causal_attention(q, k, v, cache: dict, window: int | None) -> tuple[jax.Arra
         "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
         "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
         "position": start + T,
+        "begin": begin[:, -1],
     }
     return y, new_cache
 
@@ -94,8 +110,8 @@ class SlidingWindowAttention(nnx.Module):
     def initial_state(self, batch_size: int) -> dict:
         return initial_cache(batch_size, self.window, self.heads, self.head_dim)
 
-    def __call__(self, x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, cache: dict, starts=None) -> tuple[jax.Array, dict]:
         B, T, _ = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.heads, self.head_dim), 3, axis=2)
-        y, cache = causal_attention(q, k, v, cache, self.window)
+        y, cache = causal_attention(q, k, v, cache, self.window, starts)
         return self.out(y.reshape(B, T, -1)), cache

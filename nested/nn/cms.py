@@ -6,7 +6,9 @@ gradients it accumulated over its period: the level's objective is the outer los
 to the period (:class:`nested.objectives.OuterLoss`, dynamic evaluation; see
 :mod:`nested.core.outer_loss`), its update rule any rule without per-token gates. Between
 updates a block is a plain MLP; its initial parameters ``theta_j^0`` are slow parameters the
-outer level meta-learns through every update.
+outer level meta-learns through every update. Document starts: see
+:func:`nested.core.outer_loss.run` (the blocks restart at span boundaries) and
+:meth:`ContinuumMemory.__call__`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested.core import outer_loss
+from nested.core import inner, outer_loss
 from nested.core.level import Level, LevelState
 from nested.nn.layers import initial_memories, per_sequence
 
@@ -69,8 +71,20 @@ class ContinuumMemory(nnx.Module):
             for level, init in zip(self.levels, self.initial_params, strict=True)
         )
 
-    def __call__(self, x: jax.Array, states) -> tuple[jax.Array, tuple[LevelState, ...]]:
-        for level, norm, state in zip(self.levels, self.norms, states, strict=True):
-            read = jax.vmap(level.memory.apply)(state.params, norm(x))  # per sequence
+    def __call__(
+        self, x: jax.Array, states, starts=None
+    ) -> tuple[jax.Array, tuple[LevelState, ...]]:
+        """``x (B, T, dim)`` through the blocks at their current parameters; with document
+        ``starts (B, T)``, the tokens of a document starting inside ``x`` read the blocks'
+        initial parameters (no block updates inside a call)."""
+        later = None if starts is None else inner.document_begins(starts)[:, :, None] > 0
+        blocks = zip(self.levels, self.norms, states, self.initial_params, strict=True)
+        for level, norm, state, initial in blocks:
+            h = norm(x)
+            read = jax.vmap(level.memory.apply)(state.params, h)  # per sequence
+            if later is not None:
+                read = jnp.where(
+                    later, jax.vmap(level.memory.apply, (None, 0))(initial.get_value(), h), read
+                )
             x = x + read.astype(x.dtype)
         return x, tuple(states)

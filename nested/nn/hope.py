@@ -18,6 +18,13 @@ convolution over time, as in Titans, carried across chunks: a one-layer model ne
 a key with the next token's value), run the memory over the chunk, then update ``P``. Gates
 of the memory come from slow projections of ``x``. The whole thing is differentiated exactly
 by the outer level (no stop-gradient through the writes).
+
+Document starts ``(B, T)`` (packed sequences): a chunk whose first token starts a document
+begins from the initial state (memory, projections, convolution); inside a chunk, the tokens of
+a document starting there are projected with the initial projections, and the memory, the
+projection level and the convolution restart at the start. Chunks stay ``C`` tokens from the
+row's start, so a packed row equals its documents run alone when they start at multiples of
+``C``.
 """
 
 from __future__ import annotations
@@ -102,14 +109,30 @@ class SelfModifyingLayer(nnx.Module):
             "projections": inner.initial_state(self.projections, projections),
         }
 
-    def _chunk(self, state: dict, x: jax.Array) -> tuple[dict, jax.Array]:
-        """One projection period: ``x (B, C, dim)`` with the chunk-start projections."""
+    def _chunk(self, state: dict, inputs) -> tuple[dict, jax.Array]:
+        """One projection period, ``inputs = (x (B, C, dim), starts (B, C) or None)``, with
+        the chunk-start projections (the initial ones for a document starting in the chunk)."""
+        x, starts = inputs
         B, C, dim = x.shape
+        fresh = None
+        if starts is not None:
+            fresh = self.initial_state(B)
+            state = inner.select_rows(starts[:, 0], fresh, state)
+            starts = starts.at[:, 0].set(False)
         P = state["projections"].params[0]["w"]  # (B, 3, dim, dim)
-        kvq = jnp.einsum("bpoi,bti->btpo", P, x)
+
+        def project(a):  # (B, C, dim) -> (B, C, 3, dim)
+            out = jnp.einsum("bpoi,bti->btpo", P, a)
+            if starts is None:
+                return out
+            later = inner.document_begins(starts)[:, :, None, None] > 0
+            initial = fresh["projections"].params[0]["w"]
+            return jnp.where(later, jnp.einsum("bpoi,bti->btpo", initial, a), out)
+
+        kvq = project(x)
         memory = state["memory"]
         if self.conv is not None:
-            kvq, conv = self.conv(kvq.reshape(B, C, 3 * dim), memory.cache["conv"])
+            kvq, conv = self.conv(kvq.reshape(B, C, 3 * dim), memory.cache["conv"], starts)
             memory = memory.replace(cache={**memory.cache, "conv": conv})
         k, v, q = jnp.moveaxis(kvq.reshape(B, C, 3, dim), 2, 0)
         heads = lambda a: a.reshape(B, C, self.heads, -1)
@@ -119,29 +142,38 @@ class SelfModifyingLayer(nnx.Module):
         ctx = inner.Context(
             k=l2_normalize(heads(k)), v=heads(v), q=l2_normalize(heads(q)), gates=gates
         )
+        if starts is not None:
+            ctx = ctx._replace(starts=starts, initial=fresh["memory"])
         o, memory = inner.run(self.level, memory, ctx)
-        targets = jnp.einsum("bpoi,bti->btpo", P, v)  # each projection applied to the values
+        targets = project(v)  # each projection applied to the values
         inputs = jnp.broadcast_to(x[:, :, None], (B, C, 3, dim))
         proj_gates = {
             name: self.projections.gates[name].activate(proj(x))
             for name, proj in self.projection_gates.items()
         }
         proj_ctx = inner.Context(k=inputs, v=targets, q=inputs, gates=proj_gates)
+        if starts is not None:
+            proj_ctx = proj_ctx._replace(starts=starts, initial=fresh["projections"])
         _, projections = inner.run(self.projections, state["projections"], proj_ctx)
         return {"memory": memory, "projections": projections}, o
 
-    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:
+        """``x (B, T, dim) -> (y (B, T, dim), state)``; document ``starts (B, T)``: see the
+        module docstring."""
         B, T, dim = x.shape
         C = self.projections.every
         full = T // C * C
         outputs = []
         if full:
-            chunks = jnp.moveaxis(x[:, :full].reshape(B, full // C, C, dim), 1, 0)
+            chunks = jax.tree.map(
+                lambda a: jnp.moveaxis(a[:, :full].reshape(B, full // C, C, *a.shape[2:]), 1, 0),
+                (x, starts),
+            )
             with probes.repeated("Hope's projection periods (a scan over chunks)"):
                 state, o = jax.lax.scan(jax.checkpoint(self._chunk), state, chunks)
             outputs.append(jnp.moveaxis(o, 0, 1).reshape(B, full, *o.shape[3:]))
         if full < T:
-            state, o = self._chunk(state, x[:, full:])
+            state, o = self._chunk(state, jax.tree.map(lambda a: a[:, full:], (x, starts)))
             outputs.append(o)
         o = self.norm(jnp.concatenate(outputs, axis=1).astype(x.dtype))
         if self.gate_out is not None:

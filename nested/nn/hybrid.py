@@ -1,7 +1,8 @@
 """Hybrid mixers: a fast-level memory combined with sliding-window attention (Titans).
 
 Behrouz et al. 2025, "Titans: Learning to Memorize at Test Time", use their neural memory in
-three ways, each a token mixer ``mixer(x, state) -> (y, state)`` with state
+three ways, each a token mixer ``mixer(x, state, starts=None) -> (y, state)`` (``starts (B, T)``:
+document starts, where every memory and attention restarts) with state
 ``{"memory": LevelState, "attention": cache}`` (MAC: ``{"memory": LevelState}``):
 
 * :class:`MemoryAsContext` (MAC): the sequence in segments; each segment retrieves from the
@@ -17,10 +18,11 @@ three ways, each a token mixer ``mixer(x, state) -> (y, state)`` with state
 The memory branch is a :class:`nested.nn.layers.MemoryLayer`, so any fast level (Titans, TTT,
 DeltaNet...) can be the memory.
 
-:class:`AdaTransformerMixer` is the example of the Nested Learning paper (seed 001): a
-transformer block whose MLP ``y_attn W_MLP`` is replaced by a linear-attention memory read
-``M_t y_attn`` with ``M_t = M_{t-1} + v_t k_t^T`` sharing the attention's keys and values and
-a meta-learned initial state ``M_0``: the MLP weight moves from the outer level to an inner one.
+:class:`AdaTransformerMixer` is the example of the Nested Learning paper (Behrouz et al.,
+NeurIPS 2025): a transformer block whose MLP ``y_attn W_MLP`` is replaced by a linear-attention
+memory read ``M_t y_attn`` with ``M_t = M_{t-1} + v_t k_t^T`` sharing the attention's keys and
+values and a meta-learned initial state ``M_0``: the MLP weight moves from the outer level to an
+inner one.
 """
 
 from __future__ import annotations
@@ -61,18 +63,18 @@ class _Hybrid(nnx.Module):
 class MemoryAsGate(_Hybrid):
     """Titans MAG: ``y = SWA(x) * sigmoid(M(x))``."""
 
-    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
-        a, attention = self.attention(x, state["attention"])
-        m, memory = self.memory(x, state["memory"])
+    def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:
+        a, attention = self.attention(x, state["attention"], starts)
+        m, memory = self.memory(x, state["memory"], starts)
         return a * jax.nn.sigmoid(m), {"memory": memory, "attention": attention}
 
 
 class MemoryAsLayer(_Hybrid):
     """Titans MAL: ``y = SWA(x + M(x))``."""
 
-    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
-        m, memory = self.memory(x, state["memory"])
-        y, attention = self.attention(x + m, state["attention"])
+    def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:
+        m, memory = self.memory(x, state["memory"], starts)
+        y, attention = self.attention(x + m, state["attention"], starts)
         return y, {"memory": memory, "attention": attention}
 
 
@@ -96,6 +98,12 @@ class MemoryAsContext(nnx.Module):
     the long range is the memory's. A last shorter segment takes the rest of the sequence;
     calls split at multiples of ``window`` continue a stream exactly. The memory's period
     ``every`` must divide ``window`` so that each segment writes whole update chunks.
+
+    Document ``starts (B, T)``: a segment whose first token starts a document begins from the
+    memory's initial state; inside a segment, the tokens of a document starting there retrieve
+    from the initial memory and attend within their document, and the memory restarts at the
+    start. Segments stay ``window`` tokens from the row's start, so a packed row equals its
+    documents run alone when they start at multiples of ``window``.
     """
 
     def __init__(
@@ -132,7 +140,7 @@ class MemoryAsContext(nnx.Module):
     def initial_state(self, batch_size: int) -> dict:
         return {"memory": self.memory.initial_state(batch_size)}
 
-    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:
         B, T, dim = x.shape
         # The persistent tokens' keys and values are the same in every segment.
         persistent = self.persistent[...].astype(x.dtype)
@@ -141,12 +149,17 @@ class MemoryAsContext(nnx.Module):
         whole = T // self.window * self.window
         memory, outputs = state["memory"], []
         if whole:
-            segments = x[:, :whole].reshape(B, -1, self.window, dim)
+            segments = jax.tree.map(
+                lambda a: jnp.moveaxis(
+                    a[:, :whole].reshape(B, -1, self.window, *a.shape[2:]), 1, 0
+                ),
+                (x, starts),
+            )
             with probes.repeated("memory-as-context segments (a scan over segments)"):
-                memory, y = jax.lax.scan(segment, memory, jnp.moveaxis(segments, 1, 0))
+                memory, y = jax.lax.scan(segment, memory, segments)
             outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
         if whole < T:
-            memory, y = segment(memory, x[:, whole:])
+            memory, y = segment(memory, jax.tree.map(lambda a: a[:, whole:], (x, starts)))
             outputs.append(y)
         return jnp.concatenate(outputs, axis=1), {"memory": memory}
 
@@ -156,28 +169,44 @@ class MemoryAsContext(nnx.Module):
         qkv = self.attention.qkv(tokens).reshape(B, N, 3 * self.attention.heads, -1)
         return jnp.split(qkv, 3, axis=2)
 
-    def _segment(self, memory, x: jax.Array, *, persistent):
-        """One segment ``x (B, C, dim)``: ``(memory, out (B, C, dim))`` (class docstring);
-        ``persistent``: the persistent tokens' keys and values, ``(B, n, H, d)`` each."""
+    def _segment(self, memory, inputs, *, persistent):
+        """One segment, ``inputs = (x (B, C, dim), starts (B, C) or None)``: ``(memory, out
+        (B, C, dim))`` (class docstring); ``persistent``: the persistent tokens' keys and
+        values, ``(B, n, H, d)`` each."""
+        x, starts = inputs
         B, C, _ = x.shape
         q = self.query(x).reshape(B, C, self.attention.heads, -1)
-        h = self.memory.retrieve(memory.params, q, x)
+        causal = np.arange(C)[:, None] >= np.arange(C)[None, :]
+        if starts is None:
+            h = self.memory.retrieve(memory.params, q, x)
+            same = causal[None]
+        else:
+            initial = self.memory.initial_state(B)
+            memory = inner.select_rows(starts[:, 0], initial, memory)
+            starts = starts.at[:, 0].set(False)
+            later = inner.document_begins(starts) > 0
+            h = jnp.where(
+                later[..., None],
+                self.memory.retrieve(initial.params, q, x),
+                self.memory.retrieve(memory.params, q, x),
+            )
+            document = jnp.cumsum(starts, axis=1)
+            same = causal[None] & (document[:, :, None] == document[:, None, :])  # (B, C, C)
         rotate = lambda a: rotary(a, jnp.broadcast_to(jnp.arange(C), (B, C)))
         _, keys_h, values_h = self._qkv(h)
         queries, keys_x, values_x = self._qkv(x)
         keys = jnp.concatenate([persistent[0], rotate(keys_h), rotate(keys_x)], axis=1)
         values = jnp.concatenate([persistent[1], values_h, values_x], axis=1)
-        causal = np.arange(C)[:, None] >= np.arange(C)[None, :]
-        visible = np.ones((C, persistent[0].shape[1]), bool)
-        allowed = np.concatenate([visible, causal, causal], axis=1)
-        y = attend(rotate(queries), keys, values, allowed[None, None])
+        visible = jnp.ones((same.shape[0], C, persistent[0].shape[1]), bool)
+        allowed = jnp.concatenate([visible, same, same], axis=2)
+        y = attend(rotate(queries), keys, values, allowed[:, None])
         y = self.attention.out(y.reshape(B, C, -1))
-        m, memory = self.memory(y, memory)
+        m, memory = self.memory(y, memory, starts)
         return memory, y * jax.nn.sigmoid(m)
 
 
 class AdaTransformerMixer(nnx.Module):
-    """Attention, then a fast memory in place of the MLP (AdaTransformer, seed 001).
+    """Attention, then a fast memory in place of the MLP (AdaTransformer, Nested Learning paper).
 
     ``q, k, v = W_{q,k,v} x``; ``y_attn = Attn(q, k, v)`` (causal, optional window); the memory
     level (typically Hebbian, ``M_t = M_{t-1} + v_t k_t^T``) writes the attention's keys and
@@ -212,14 +241,16 @@ class AdaTransformerMixer(nnx.Module):
             "attention": initial_cache(batch_size, self.window, self.heads, head_dim),
         }
 
-    def __call__(self, x: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:
         B, T, _ = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.heads, -1), 3, axis=2)
-        y_attn, attention = causal_attention(q, k, v, state["attention"], self.window)
+        y_attn, attention = causal_attention(q, k, v, state["attention"], self.window, starts)
         gates = {
             name: self.level.gates[name].activate(proj(x)) for name, proj in self.gates.items()
         }
         ctx = inner.Context(k=l2_normalize(k), v=v, q=y_attn, gates=gates)
+        if starts is not None:
+            ctx = ctx._replace(starts=starts, initial=self.initial_state(B)["memory"])
         o, memory = inner.run(self.level, state["memory"], ctx)
         o = o.reshape(B, T, -1).astype(x.dtype)
         return self.out(o), {"memory": memory, "attention": attention}

@@ -8,7 +8,9 @@ by the outer level through the inner loop.
 
 Layers are pure with respect to fast state: ``layer(x, state) -> (y, state)``, where ``state``
 is a :class:`nested.core.level.LevelState` with leading ``(B, H)`` dims; ``layer.initial_state(B)``
-builds the state a sequence starts from (differentiable in ``theta_0``).
+builds the state a sequence starts from (differentiable in ``theta_0``). A call may take document
+``starts (B, T)`` (packed sequences): every document starting inside the call begins at the
+initial state, and nothing (convolution, key shift) mixes tokens across a start.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ class ShortConv(nnx.Module):
     """Depthwise causal convolution over time, ``y_t = silu(sum_i w_i * x_{t-i})``.
 
     ``x (B, T, F)``; the cache holds the last ``width - 1`` inputs ``(B, width - 1, F)`` so a
-    sequence processed in pieces gives the same result as in one call.
+    sequence processed in pieces gives the same result as in one call. With document
+    ``starts (B, T)`` no input of an earlier document reaches a later one: each document
+    starts from the empty (zero) cache.
     """
 
     def __init__(self, features: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
@@ -38,12 +42,28 @@ class ShortConv(nnx.Module):
         dtype = jnp.promote_types(self.kernel.dtype, jnp.float32)
         return jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype)
 
-    def __call__(self, x: jax.Array, cache: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, cache: jax.Array, starts=None) -> tuple[jax.Array, jax.Array]:
         T = x.shape[1]
         padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+        taps = [padded[:, i : i + T] for i in range(self.width)]  # x_{t - width + 1 + i}
+        tail = padded[:, T:]
+        if starts is not None:  # inputs of an earlier document read as the empty cache's zeros
+            keep = same_document(starts, self.width).astype(x.dtype)
+            taps = [tap * keep[:, :, i, None] for i, tap in enumerate(taps)]
+            tail = jnp.stack([tap[:, -1] for tap in taps[1:]], axis=1)
         kernel = self.kernel[...].astype(x.dtype)
-        y = sum(kernel[None, None, i] * padded[:, i : i + T] for i in range(self.width))
-        return jax.nn.silu(y), padded[:, T:].astype(cache.dtype)
+        y = sum(kernel[None, None, i] * tap for i, tap in enumerate(taps))
+        return jax.nn.silu(y), tail.astype(cache.dtype)
+
+
+def same_document(starts: jax.Array, width: int) -> jax.Array:
+    """``(B, T, width)`` bool: whether input ``t - width + 1 + i`` (the cache before position
+    0) belongs to the document of position ``t``, given document ``starts (B, T)``; the row's
+    first document owns the cache."""
+    T = starts.shape[1]
+    begin = inner.document_begins(starts)[:, :, None]
+    source = jnp.arange(T)[None, :, None] - width + 1 + jnp.arange(width)[None, None]
+    return (begin == 0) | (source >= begin)
 
 
 def initial_memories(memory, key: jax.Array, count: int | None) -> InitialState:
@@ -148,14 +168,17 @@ class MemoryLayer(nnx.Module):
             cache["key"] = jnp.zeros((batch_size, self.heads, self.level.memory.d_k), jnp.float32)
         return inner.initial_state(self.level, params, cache)
 
-    def context(self, x: jax.Array, cache: dict):
-        """Project ``x (B, T, dim)`` to the level's context; returns ``(Context, cache)``."""
+    def context(self, x: jax.Array, cache: dict, starts=None):
+        """Project ``x (B, T, dim)`` to the level's context; returns ``(Context, cache)``.
+
+        With document ``starts (B, T)`` the convolution and the key shift do not reach across
+        a start, and the context carries the starts and this layer's initial state."""
         B, T, _ = x.shape
         d_k, d_v = self.level.memory.d_k, self.level.memory.d_v
         cache = dict(cache)
         qkv = self.qkv(x)
         if self.conv is not None:
-            qkv, cache["conv"] = self.conv(qkv, cache["conv"])
+            qkv, cache["conv"] = self.conv(qkv, cache["conv"], starts)
         qkv = qkv.reshape(B, T, self.heads, 2 * d_k + d_v)
         q, k, v = jnp.split(qkv, [d_k, 2 * d_k], axis=-1)
         if self.normalize_keys:
@@ -166,6 +189,8 @@ class MemoryLayer(nnx.Module):
                 jnp.concatenate([previous, k[:, :-1]], 1),
                 k[:, -1].astype(cache["key"].dtype),
             )
+            if starts is not None:  # a document's first key is the empty cache's
+                k = jnp.where(starts[:, :, None, None], 0, k)
         gates = {}
         for name, proj in self.gates.items():
             gate = self.level.gates[name]
@@ -178,7 +203,10 @@ class MemoryLayer(nnx.Module):
             gate = gates[self.write_gate]
             write = write.reshape(B, T, -1)
             gates[self.write_gate] = gate * write.reshape(write.shape + (1,) * (gate.ndim - 3))
-        return inner.Context(k=k, v=v, q=q, gates=gates), cache
+        ctx = inner.Context(k=k, v=v, q=q, gates=gates)
+        if starts is not None:
+            ctx = ctx._replace(starts=starts, initial=self.initial_state(B))
+        return ctx, cache
 
     def _gate_size(self, gate) -> int:
         return 1 if gate.size is None else getattr(self.level.memory, gate.size)
@@ -190,8 +218,12 @@ class MemoryLayer(nnx.Module):
         routes = jax.nn.softmax(logits, axis=-1)
         return routes[:, :, 0], routes[:, :, 1]
 
-    def __call__(self, x: jax.Array, state: LevelState) -> tuple[jax.Array, LevelState]:
-        ctx, cache = self.context(x, state.cache)
+    def __call__(
+        self, x: jax.Array, state: LevelState, starts=None
+    ) -> tuple[jax.Array, LevelState]:
+        """``x (B, T, dim) -> (y (B, T, dim), state)``; with document ``starts (B, T)`` bool
+        every document starting inside ``x`` starts from :meth:`initial_state`."""
+        ctx, cache = self.context(x, state.cache, starts)
         if self.turn is None:
             o, state = inner.run(self.level, state, ctx)
         else:

@@ -1,7 +1,8 @@
 """Sequence models whose token mixers are fast levels (Flax NNX).
 
 Models are pure in their fast state, like the layers they are built from:
-``model(tokens, fast) -> (logits, fast)`` and ``model.initial_fast(B)`` gives the fast state a
+``model(tokens, fast, documents=None) -> (logits, fast)`` (``documents``: the document ids of
+packed rows, where every fast level restarts) and ``model.initial_fast(B)`` gives the fast state a
 sequence starts from (a pytree of :class:`nested.core.level.LevelState`, one per memory layer).
 """
 
@@ -12,7 +13,9 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
+from nested.core import inner
 from nested.core.level import Level
+from nested.nn.attention import SlidingWindowAttention
 from nested.nn.cms import ContinuumMemory
 from nested.nn.hope import SelfModifyingLayer
 from nested.nn.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
@@ -31,19 +34,41 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-MIXERS = ("memory", "context", "gate", "layer", "self_modifying", "adatransformer")
+MIXERS = ("memory", "context", "gate", "layer", "self_modifying", "adatransformer", "attention")
 
 
 def make_mixer(
-    kind: str, level: Level, *, dim: int, heads: int, window: int, rngs: nnx.Rngs, **memory_kwargs
+    kind: str,
+    level: Level | None,
+    *,
+    dim: int,
+    heads: int,
+    window: int | None,
+    rngs: nnx.Rngs,
+    **memory_kwargs,
 ) -> nnx.Module:
-    """A token mixer by name: ``"memory"`` (the fast level alone), ``"context"`` (Titans MAC:
+    """A token mixer by name: ``"attention"`` (causal RoPE softmax attention, no fast level:
+    the Transformer++ baseline; ``window=None`` for full attention), ``"memory"`` (the fast
+    level alone), ``"context"`` (Titans MAC:
     segments of ``window`` tokens attend over persistent tokens and their retrieval from the
     memory; ``persistent=`` their count), ``"gate"`` (Titans MAG: memory gating
     sliding-window attention), ``"layer"`` (Titans MAL: memory, then attention),
     ``"self_modifying"`` (Hope: the memory's projections are fast memories too; pass
     ``projections=`` the projection level), ``"adatransformer"`` (attention whose MLP is the
-    memory, seed 001; ``window=None`` for full causal attention)."""
+    memory, from the Nested Learning paper; ``window=None`` for full causal attention)."""
+    if kind not in MIXERS:
+        raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
+    if (kind == "attention") != (level is None):
+        raise ValueError(
+            f"mixer={kind!r}: mixer='attention' takes no fast level (level=None) and every "
+            "other mixer runs one (level=...)"
+        )
+    if kind == "attention":
+        if memory_kwargs:
+            raise ValueError(
+                f"mixer='attention' has no memory layer; {sorted(memory_kwargs)} set one"
+            )
+        return SlidingWindowAttention(dim=dim, heads=heads, window=window, rngs=rngs)
     if kind != "context" and "persistent" in memory_kwargs:
         raise ValueError(
             f"persistent={memory_kwargs['persistent']!r} sets the persistent tokens of "
@@ -63,25 +88,24 @@ def make_mixer(
         return AdaTransformerMixer(
             level, dim=dim, heads=heads, window=window, rngs=rngs, **memory_kwargs
         )
-    if kind == "self_modifying":
-        return SelfModifyingLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
-    raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
+    return SelfModifyingLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))``, then the position-wise part: an MLP
-    (``x + mlp(norm(x))``), a Continuum Memory System when ``cms`` levels are given, or
-    nothing when ``mlp_ratio=0``. Fast state: ``{"mixer": ..., "cms": (...)}``."""
+    (``x + mlp(norm(x))``, of hidden width ``mlp_hidden``), a Continuum Memory System when
+    ``cms`` levels are given, or nothing when ``mlp_hidden=0``. Fast state:
+    ``{"mixer": ..., "cms": (...)}``."""
 
     def __init__(
-        self, mixer: nnx.Module, *, dim: int, mlp_ratio: int, cms: Sequence[Level], rngs: nnx.Rngs
+        self, mixer: nnx.Module, *, dim: int, mlp_hidden: int, cms: Sequence[Level], rngs: nnx.Rngs
     ):
         self.mixer_norm = nnx.RMSNorm(dim, rngs=rngs)
         self.mixer = mixer
         self.cms = ContinuumMemory(cms, dim=dim, rngs=rngs) if cms else None
-        use_mlp = mlp_ratio > 0 and not cms
+        use_mlp = mlp_hidden > 0 and not cms
         self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs) if use_mlp else None
-        self.mlp = MLPBlock(dim, mlp_ratio * dim, rngs=rngs) if use_mlp else None
+        self.mlp = MLPBlock(dim, mlp_hidden, rngs=rngs) if use_mlp else None
 
     def initial_state(self, batch_size: int) -> dict:
         state = {"mixer": self.mixer.initial_state(batch_size)}
@@ -89,37 +113,42 @@ class Block(nnx.Module):
             state["cms"] = self.cms.initial_state(batch_size)
         return state
 
-    def __call__(self, x, state):
-        y, mixer_state = self.mixer(self.mixer_norm(x), state["mixer"])
+    def __call__(self, x, state, starts=None):
+        """``x (B, T, dim)``; document ``starts (B, T)`` go to the mixer and the CMS."""
+        y, mixer_state = self.mixer(self.mixer_norm(x), state["mixer"], starts)
         x = x + y
         state = {**state, "mixer": mixer_state}
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         if self.cms is not None:
-            x, state["cms"] = self.cms(x, state["cms"])
+            x, state["cms"] = self.cms(x, state["cms"], starts)
         return x, state
 
 
 class MemoryLM(nnx.Module):
-    """A causal language model of ``layers`` blocks whose mixers run the fast level ``level``.
+    """A causal language model of ``layers`` blocks whose mixers run the fast level ``level``
+    (None for ``mixer="attention"``, the Transformer++ baseline).
 
     ``tokens (B, T) int -> logits (B, T, vocab)``. ``mixer`` picks the block's token mixer
-    (:func:`make_mixer`; ``window`` is the attention window of the hybrid mixers);
-    ``mlp_ratio=0`` drops the MLP blocks; ``cms`` (levels, fastest first) replaces each MLP by
-    a Continuum Memory System; ``projections`` is the projection level of the self-modifying
-    (Hope) mixer. Other keyword arguments go to the memory layers
-    (:class:`nested.nn.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``, ``experts``...).
+    (:func:`make_mixer`; ``window`` is the attention window of the hybrid mixers and of
+    ``"attention"``); the MLP blocks are ``mlp_hidden`` wide (None: ``mlp_ratio * dim``;
+    Llama's SwiGLU is ``8/3 dim`` rounded), ``mlp_ratio=0`` drops them; ``cms`` (levels,
+    fastest first) replaces each MLP by a Continuum Memory System; ``projections`` is the
+    projection level of the self-modifying (Hope) mixer. Other keyword arguments go to the
+    memory layers (:class:`nested.nn.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``,
+    ``experts``...).
     """
 
     def __init__(
         self,
-        level: Level,
+        level: Level | None = None,
         *,
         vocab: int,
         dim: int,
         heads: int,
         layers: int = 2,
         mlp_ratio: int = 2,
+        mlp_hidden: int | None = None,
         mixer: str = "memory",
         window: int | None = 64,
         cms: Sequence[Level] = (),
@@ -148,7 +177,7 @@ class MemoryLM(nnx.Module):
                         **memory_kwargs,
                     ),
                     dim=dim,
-                    mlp_ratio=mlp_ratio,
+                    mlp_hidden=mlp_ratio * dim if mlp_hidden is None else mlp_hidden,
                     cms=cms,
                     rngs=rngs,
                 )
@@ -161,12 +190,16 @@ class MemoryLM(nnx.Module):
     def initial_fast(self, batch_size: int):
         return tuple(block.initial_state(batch_size) for block in self.blocks)
 
-    def __call__(self, tokens: jax.Array, fast):
+    def __call__(self, tokens: jax.Array, fast, documents=None):
+        """``tokens (B, T) -> (logits (B, T, vocab), fast)``; ``documents (B, T)`` int, the
+        document of each position of a packed row: every fast level and cache restarts where
+        a new one starts inside the row (:func:`nested.core.inner.document_starts`)."""
+        starts = None if documents is None else inner.document_starts(documents)
         # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
         # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
         states = []
         for block, state in zip(self.blocks, fast, strict=True):
-            x, state = block(x, state)
+            x, state = block(x, state, starts)
             states.append(state)
         return self.head(self.norm(x)), tuple(states)

@@ -5,6 +5,8 @@ parallel and exact for every chunk size): ``linear_attention``, ``delta_rule``,
 ``gated_delta_rule``, ``falcon``, ``gdn2``, and mini-batch ``ttt_linear``.
 Type II (MLP memories, parameters as a tuple of layers with leading ``(B, H)``): ``ttt_mlp``,
 ``titans``, ``atlas``. ``stream`` runs a stream of the mini-batch ops cut anywhere.
+Every op but ``atlas`` (and Falcon-3's window) also runs packed documents: ``starts (B, T)``
+restarts the memory where a document starts (:mod:`nested.ops.documents`).
 """
 
 from nested.ops.atlas import AtlasState, atlas, atlas_state, newton_schulz, polynomial_features

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nested.ops.documents import Segments
 from nested.ops.mlp_memory import ThetaCoefficients
 
 Array = jax.Array
@@ -42,12 +43,19 @@ class ChunkCoefficients(NamedTuple):
     base: Array  # A (B, H, C)
 
 
-def decay_matrix(x: Array) -> tuple[Array, Array]:
+def decay_matrix(x: Array, segments: Segments | None = None) -> tuple[Array, Array]:
     """D_{t,r} = prod_{r < j <= t} x_j for t >= r, else 0, and P_t = prod_{j <= t} x_j.
 
-    (..., C) -> ((..., C, C), (..., C)). ``products_below`` builds D."""
+    (B, H, C) -> ((B, H, C, C), (B, H, C)). ``products_below`` builds D. With ``segments``
+    (``nested.ops.documents``) D is 0 between segments and P runs from t's segment start s_t,
+    P_t = D_{t,s_t} x_{s_t}."""
     decay = products_below(x)
-    return decay, decay[..., 0] * x[..., :1]
+    if segments is None:
+        return decay, decay[..., 0] * x[..., :1]
+    decay = segments.same * decay
+    start = segments.start
+    below = jnp.take_along_axis(decay, start[..., None], axis=-1)[..., 0]
+    return decay, below * jnp.take_along_axis(x, start, axis=-1)
 
 
 @jax.custom_jvp
@@ -95,13 +103,19 @@ def accumulate(decay: Array | None, x: Array) -> Array:
 
 
 def coefficients(
-    step_in: Array, mom: Array | None, keep: Array | None, band: Array | None
+    step_in: Array,
+    mom: Array | None,
+    keep: Array | None,
+    band: Array | None,
+    segments: Segments | None = None,
 ) -> ChunkCoefficients:
     """The chunk's coefficients from its gates u, m, alpha (B, H, C) (m, alpha None: 0 and 1)
-    and its band (B, H, C, N) (None: one sample per token, weight 1)."""
+    and its band (B, H, C, N) (None: one sample per token, weight 1). With ``segments``
+    (documents; no band) every segment runs from its own base: the coefficients couple no two
+    segments and restart at each segment's start."""
     mom_decay = mom_base = decay = None
     if mom is not None:
-        mom_decay, mom_base = decay_matrix(mom)
+        mom_decay, mom_base = decay_matrix(mom, segments)
     if band is None:  # Lambda = D^m diag(u): a column scaling, no matmul
         eye = jnp.eye(step_in.shape[-1], dtype=step_in.dtype)[None, None]
         lam = (mom_decay if mom_decay is not None else eye) * step_in[..., None, :]
@@ -110,9 +124,13 @@ def coefficients(
         if mom_decay is not None:
             lam = jnp.einsum("bhtr,bhrn->bhtn", mom_decay, lam)
     if keep is not None:
-        decay, base = decay_matrix(keep)
+        decay, base = decay_matrix(keep, segments)
     else:
         base = jnp.ones_like(step_in)
+        if segments is not None:  # the sums over earlier tokens stay inside segments
+            c = step_in.shape[-1]
+            inside = segments.same * np.tril(np.ones((1, 1, c, c), step_in.dtype))
+            decay = jnp.broadcast_to(inside, (*step_in.shape, c)).astype(step_in.dtype)
     return ChunkCoefficients(lam, mom_base, decay, base)
 
 
@@ -136,11 +154,23 @@ def previous(x: Array, first: float, axis: int) -> Array:
     return jnp.moveaxis(shifted, -1, axis)
 
 
-def before_each_token(theta: ThetaCoefficients) -> ThetaCoefficients:
+def before_each_token(
+    theta: ThetaCoefficients, segments: Segments | None = None
+) -> ThetaCoefficients:
     """The coefficients of theta_{t-1}, the state before token t: rows shifted down one token,
-    row 0 the chunk-start state theta_s (A = 1, c = 0, Gamma = 0)."""
+    row 0 the chunk-start state theta_s (A = 1, c = 0, Gamma = 0); with ``segments`` so is the
+    first row of every segment (its base state)."""
     carry = None if theta.carry is None else previous(theta.carry, 0.0, -1)
-    return ThetaCoefficients(previous(theta.base, 1.0, -1), carry, previous(theta.gamma, 0.0, -2))
+    before = ThetaCoefficients(previous(theta.base, 1.0, -1), carry, previous(theta.gamma, 0.0, -2))
+    if segments is None:
+        return before
+    begins = segments.start == np.arange(theta.base.shape[-1])[None, None]  # (B, 1, C)
+    restart = lambda x, first: None if x is None else jnp.where(begins, first, x)
+    return ThetaCoefficients(
+        restart(before.base, 1.0),
+        restart(before.carry, 0.0),
+        jnp.where(begins[..., None], 0.0, before.gamma),
+    )
 
 
 def scale_rows(a: Array, x: Array) -> Array:

@@ -19,6 +19,13 @@ online rule theta_{t-1}. Sequences of any length are padded with inert tokens (m
 u = w = 0, gate 0, zero inputs: ``INERT``) that leave (theta, S) unchanged, then sliced; the
 chunk loop is a ``lax.scan`` whose body is rematerialised (``jax.checkpoint``) so the backward
 stores only chunk-boundary states.
+
+Packed documents (``starts``, :mod:`nested.ops.documents`; no Omega window): the coefficients of
+a chunk are cut into segments (no coupling across, products restarted at each segment's start),
+so a chunk's gradient factors and reads computed from one base state are right on the tokens
+whose segment starts from that base; ``by_segments`` computes them from each base (the carried
+state, a mini-batch's state after the first segment, the documents' initial state), keeps each
+token's own, and continues the last segment's base to the chunk's end state.
 """
 
 import math
@@ -31,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested.ops import chunk_coefficients as cc
+from nested.ops import documents, online
 from nested.ops import mlp_memory as mm
-from nested.ops import online
 
 Array = jax.Array
 
@@ -45,7 +52,9 @@ READS = ("after_write", "chunk_start")
 
 class ChunkInputs(NamedTuple):
     """The rule's per-token inputs, (B, T, H, ...) for a sequence and (B, H, C, ...) in a chunk
-    (``scan_chunks``); the gates are (B, T, H) or (B, H, C), None where the op has no such term."""
+    (``scan_chunks``); the gates are (B, T, H) or (B, H, C), None where the op has no such term.
+    Packed documents (``nested.ops.documents``): ``starts`` (B, T) bool given to ``scan_rule``,
+    which adds ``begins``; both (B, T, 1) in the scan's sequence and (B, 1, C) in a chunk."""
 
     q: Array  # queries (..., d_in)
     k: Array  # sample keys (..., d_in)
@@ -55,10 +64,23 @@ class ChunkInputs(NamedTuple):
     mom: Array | None = None  # m: momentum retention (None: no momentum)
     keep: Array | None = None  # alpha = 1 - a: theta's retention (None: 1)
     gate: Array | None = None  # g: Omega sample gates (None: one sample a token, weight 1)
+    starts: Array | None = None  # where a document starts (None: one document)
+    begins: Array | None = None  # where a segment begins: a document, or a period of one
 
 
 # Padding that makes a token a no-op of the rule: no step, retentions 1, no samples.
-INERT = ChunkInputs(q=0.0, k=0.0, v=0.0, step_in=0.0, step_out=0.0, mom=1.0, keep=1.0, gate=0.0)
+INERT = ChunkInputs(
+    q=0.0,
+    k=0.0,
+    v=0.0,
+    step_in=0.0,
+    step_out=0.0,
+    mom=1.0,
+    keep=1.0,
+    gate=0.0,
+    starts=False,
+    begins=False,
+)
 
 
 class Samples(NamedTuple):
@@ -71,11 +93,16 @@ class Samples(NamedTuple):
 
 class ScanCarry(NamedTuple):
     """The state between chunks: theta_s and S_s (params-shaped, leading (B, H); momentum None
-    without momentum) and the window - 1 samples before the chunk (None without a window)."""
+    without momentum) and the window - 1 samples before the chunk (None without a window).
+    With documents: ``restart``, the (params, momentum) every document after the first starts
+    from, and for mini-batches ``at``, the state the unfinished mini-batch's gradients are
+    taken at (its start); both None otherwise."""
 
     params: mm.Params
     momentum: mm.Params | None
     prefix: Samples | None
+    at: mm.Params | None = None
+    restart: tuple[mm.Params, mm.Params | None] | None = None
 
 
 def cast(tree, dtype):
@@ -102,17 +129,24 @@ def next_carry(
     theta: mm.ThetaCoefficients,
     grads: mm.GradFactors,
     prefix: Samples | None,
+    row: Array | None = None,
 ) -> ScanCarry:
     """(theta, S) after the chunk's last token (inert padding rows change nothing):
 
         theta = A theta_s + c S_s - sum_i Gamma_i grad l_i,   S = P S_s - sum_i Lambda_i grad l_i,
 
-    the coefficients' last rows. The minus sign goes into the (N,) weights, not onto
-    parameter-sized arrays."""
+    the coefficients' last rows, or with ``row`` (B,) those of token ``row``, the state after
+    it. The minus sign goes into the (N,) weights, not onto parameter-sized arrays."""
     params, momentum = carry.params, carry.momentum
-    last = lambda x: None if x is None else x[..., -1]
+    if row is None:
+        last = lambda x: None if x is None else x[..., -1]
+        rows = lambda x: x[..., -1, :]
+    else:
+        index = row.reshape(-1, 1, 1)
+        last = lambda x: None if x is None else jnp.take_along_axis(x, index, axis=-1)[..., 0]
+        rows = lambda x: jnp.take_along_axis(x, index[..., None], axis=-2)[..., 0, :]
     base, carry_c, mom_base = last(theta.base), last(theta.carry), last(coef.mom_base)
-    gamma, lam = theta.gamma[..., -1, :], coef.lam[..., -1, :]
+    gamma, lam = rows(theta.gamma), rows(coef.lam)
     steps = mm.weighted_grads(-gamma, grads, params)
     if momentum is None:
         new_params = jax.tree.map(lambda p, g: mm.scale(base, p) + g, params, steps)
@@ -129,23 +163,55 @@ def minibatch_step(carry: ScanCarry, chunk: ChunkInputs, *, form: mm.MemoryForm,
     """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
     ATLAS without Muon). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
     k, v, band, prefix = window_samples(carry.prefix, chunk, window)
-    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band)
+    seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
+    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
     theta = cc.theta_coefficients(coef, chunk.step_out)
-    grads = mm.sample_grads(carry.params, k, v, form)
-    if read == "after_write":
-        o = mm.dual_read(carry.params, carry.momentum, theta, chunk.q, grads, form)
-    else:
-        o = mm.mlp_apply(carry.params, chunk.q, form)
-    return next_carry(carry, coef, theta, grads, prefix), o
+
+    def run(at, params, momentum):  # gradients at ``at``, reads of the state (params, momentum)
+        grads = mm.sample_grads(at, k, v, form)
+        if read == "after_write":
+            return grads, mm.dual_read(params, momentum, theta, chunk.q, grads, form)
+        return grads, mm.mlp_apply(at, chunk.q, form)
+
+    if seg is None:
+        grads, o = run(carry.params, carry.params, carry.momentum)
+        return next_carry(carry, coef, theta, grads, prefix), o
+    return by_segments(run, carry, seg, coef, theta)
+
+
+def by_segments(run, carry: ScanCarry, seg, coef, theta):
+    """A chunk of documents: ``run(at, params, momentum) -> (grads, o)``, the chunk's gradient
+    factors and reads from one base state, is run from each segment's base (the coefficients
+    couple no two segments, so each run is right on its segment's tokens), and the end state
+    continues the last segment's base. Mini-batches (``carry.at`` set): the running document's
+    second segment starts from its state after the first. Returns (carry, o)."""
+    state, start = (carry.params, carry.momentum), carry.restart
+    at = carry.params if carry.at is None else carry.at
+    grads, o = run(at, *state)
+    later = run(start[0], *start)
+    mid = start
+    if carry.at is not None:
+        count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
+        after = next_carry(carry, coef, theta, grads, None, row=jnp.maximum(count - 1, 0))
+        mid = documents.choose(count == 0, state, (after.params, after.momentum))
+        later = documents.select(seg.second, run(mid[0], *mid), later)
+    grads, o = documents.select(seg.first, (grads, o), later)
+    params, momentum = documents.pick(seg.first, state, documents.pick(seg.second, mid, start))
+    new = next_carry(ScanCarry(params, momentum, None), coef, theta, grads, None)
+    new = new._replace(restart=start)
+    if carry.at is not None:
+        new = new._replace(at=documents.pick(seg.first, at, params))
+    return new, o
 
 
 def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, read, window):
     """One block of the online rule: token t's gradient at theta_{t-1} (``online.block_grads``).
     block: (B, H, C, ...) for C = ONLINE_BLOCK tokens. Returns (carry, o (B, H, C, d_out))."""
     k, v, band, prefix = window_samples(carry.prefix, block, window)
-    coef = cc.coefficients(block.step_in, block.mom, block.keep, None)
+    seg = None if block.starts is None else documents.segments(block.begins, block.starts)
+    coef = cc.coefficients(block.step_in, block.mom, block.keep, None, seg)
     theta = cc.theta_coefficients(coef, block.step_out)
-    before = cc.before_each_token(theta)
+    before = cc.before_each_token(theta, seg)
     # Per-token coefficients spread over each token's samples (columns (token, sample)),
     # times the samples' gates.
     c = theta.base.shape[-1]
@@ -157,20 +223,37 @@ def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, re
     before = before._replace(gamma=per_sample(before.gamma))
     theta = theta._replace(gamma=per_sample(theta.gamma))
     coef = coef._replace(lam=per_sample(coef.lam))
-    grads = online.block_grads(carry.params, carry.momentum, before, k, v, form, window)
     read_at = theta if read == "after_write" else before
-    o = mm.dual_read(carry.params, carry.momentum, read_at, block.q, grads, form)
-    return next_carry(carry, coef, theta, grads, prefix), o
+
+    def run(at, params, momentum):  # the online rule's gradients are at each token's state
+        grads = online.block_grads(params, momentum, before, k, v, form, window)
+        return grads, mm.dual_read(params, momentum, read_at, block.q, grads, form)
+
+    if seg is None:
+        grads, o = run(carry.params, carry.params, carry.momentum)
+        return next_carry(carry, coef, theta, grads, prefix), o
+    return by_segments(run, carry, seg, coef, theta)
 
 
 def scan_rule(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, form, read, window):
     """The rule over a sequence (``scan_chunks``): ``minibatch_step`` over chunks of
-    ``chunk_size``, or for ``chunk_size=1`` ``online_step`` over blocks of ONLINE_BLOCK."""
+    ``chunk_size``, or for ``chunk_size=1`` ``online_step`` over blocks of ONLINE_BLOCK.
+
+    Documents (``seq.starts`` (B, T), window 1): each runs as if alone, every one after the
+    first from ``carry.restart``, its mini-batches counted from its start."""
     online_rule = chunk_size == 1
     step = partial(
         online_step if online_rule else minibatch_step, form=form, read=read, window=window
     )
-    return scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online_rule else chunk_size)
+    if seq.starts is not None:
+        if window != 1:
+            raise ValueError("document starts need window=1 (no Omega window)")
+        starts = seq.starts
+        begins = starts if online_rule else documents.period_begins(starts, chunk_size)
+        seq = seq._replace(starts=starts[..., None], begins=begins[..., None])
+        carry = carry if online_rule else carry._replace(at=carry.params)
+    o, carry = scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online_rule else chunk_size)
+    return o, carry._replace(at=None, restart=None)
 
 
 def segment_size(n_chunks: int) -> int:

@@ -35,6 +35,14 @@ per chunk and nothing per token: temporary memory grows linearly in ``T``. With 
 the coupling ``A`` is dropped: every prediction reads the chunk-start state (mini-batch TTT's
 dual form), so there the chunk size is semantic.
 
+Packed documents (``starts``, :mod:`nested.ops.documents`; window 1): the chunks stay on the
+sequence's grid and each is cut into segments at the starts (and, for mini-batches, where the
+running document's next period begins). A token of a later segment reads its segment's base
+state ``S'`` (``initial`` for a document) decayed from the segment's start, ``exp(g_t -
+g_{s-1})``, and the couplings and scores above are masked to pairs of one segment, so ``A``
+stays unit lower triangular (block diagonal) and one inverse serves every document of the
+chunk; the end state continues the last segment's base by that segment's writes.
+
 References: Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
 Sequence Length" (WY/UT form); Yang, Kautz & Hatamizadeh 2025 (gated delta rule); Yang et al.
 2024, "Gated Linear Attention" (secondary chunking for key-wise decays).
@@ -46,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nested.ops import documents
 from nested.ops.triangular import unit_lower_inverse
 
 # Chunk lengths of ``chunk_size=None``: the fastest exact ones on XLA:CPU (2 cores), measured
@@ -91,6 +100,8 @@ def delta_family(
     exact: bool = True,
     initial_state=None,
     chunk_size: int,
+    starts=None,
+    initial=None,
 ):
     """Runs the general rule of this module over a sequence.
 
@@ -108,7 +119,13 @@ def delta_family(
       erase_after_decay: whether the erase term reads the decayed state.
       exact: ``False`` gives mini-batch semantics (predictions read the chunk-start state).
       initial_state: ``None`` (zeros) or ``(B, H, d_v, d_k)``.
-      chunk_size: tokens per chunk; 1 runs the per-token ``lax.scan``.
+      chunk_size: tokens per chunk; 1 runs the per-token ``lax.scan``. With ``exact=False`` it
+        is the mini-batch.
+      starts: ``None`` or ``(B, T)`` bool, True where a new document starts
+        (``nested.ops.documents``): each document runs as if alone, the first from
+        ``initial_state``, every later one from ``initial``, its mini-batches counted from its
+        start (``window`` must be 1; with ``exact=False`` there is no ``log_decay``).
+      initial: ``(B, H, d_v, d_k)``, the state every document after the first starts from.
 
     Returns:
       ``o (B, T, H, d_v)`` and the final state ``(B, H, d_v, d_k)``, in the inputs' dtype.
@@ -123,25 +140,41 @@ def delta_family(
     )
     state = jnp.zeros((b, h, dv, dk), dtype) if initial_state is None else initial_state
     state = state.astype(dtype)
+    if starts is not None:
+        if window != 1 or (log_decay is not None and not exact):
+            raise ValueError("document starts need window=1, and no decay with exact=False")
+        initial = initial.astype(dtype)
     if chunk_size == 1:
         k_slots, v_slots = _window(k, window), _window(v, window)  # (B, T, H, c, d)
         if write is not None:
             v_slots = write[..., None, :] * v_slots
-        step = functools.partial(_token_step, key_decay=key_decay, after=erase_after_decay)
-        xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), (q, k_slots, v_slots, beta, log_decay))
-        state, o = jax.lax.scan(step, state, xs)
+        step = functools.partial(
+            _token_step, key_decay=key_decay, after=erase_after_decay, initial=initial
+        )
+        xs = (q, k_slots, v_slots, beta, log_decay, starts)
+        state, o = jax.lax.scan(step, state, jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), xs))
         return jnp.moveaxis(o, 0, 1), state
     # A chunk holds at least the window's c - 1 earlier tokens, which the next chunk reads.
     size = max(min(chunk_size, t), window - 1)
     step = functools.partial(
-        _chunk_step, window=window, key_decay=key_decay, after=erase_after_decay, exact=exact
+        _chunk_step,
+        window=window,
+        key_decay=key_decay,
+        after=erase_after_decay,
+        exact=exact,
+        initial=initial,
     )
     xs = jax.tree.map(lambda x: _to_chunks(x, size), (q, k, v, write, beta, log_decay))
     halos = tuple(_halo(x, window - 1) for x in xs[1:3]) if window > 1 else (None, None)
-    state, o = jax.lax.scan(jax.checkpoint(step), state, xs + halos)
+    carry, docs = state, None
+    if starts is not None:
+        begins = starts if exact else documents.period_begins(starts, chunk_size)
+        docs = tuple(_to_chunks(x[:, :, None, None], size)[..., 0] for x in (begins, starts))
+        carry = state if exact else (state, state)
+    carry, o = jax.lax.scan(jax.checkpoint(step), carry, xs + halos + (docs,))
     o = jnp.moveaxis(o, 0, 2)  # (B, H, N, C, d_v)
     o = o.reshape(b, h, -1, dv)[:, :, :t]
-    return jnp.swapaxes(o, 1, 2), state
+    return jnp.swapaxes(o, 1, 2), carry if starts is None or exact else carry[1]
 
 
 def _as_rows(gate):
@@ -181,9 +214,13 @@ def _to_chunks(x, size):
     return jnp.transpose(x.reshape(b, n, size, h, d), (1, 0, 3, 2, 4))
 
 
-def _token_step(state, xs, *, key_decay, after):
-    """One token of the general rule, written as the equation (the ``chunk_size=1`` path)."""
-    q, k, v, beta, log_decay = xs  # (B, H, d_k), (B, H, c, d_k), (B, H, c, d_v), (B, H, R)
+def _token_step(state, xs, *, key_decay, after, initial):
+    """One token of the general rule, written as the equation (the ``chunk_size=1`` path); a
+    token starting a document (``start`` (B,), None without documents) starts from
+    ``initial``."""
+    q, k, v, beta, log_decay, start = xs  # (B, H, d_k), (B, H, c, d_k), (B, H, c, d_v), (B, H, R)
+    if start is not None:
+        state = jnp.where(start[:, None, None, None], initial, state)
     decayed = state
     if log_decay is not None:
         gamma = jnp.exp(log_decay)
@@ -255,9 +292,17 @@ def _apply_rows(matrix, x):
     return jnp.swapaxes(jnp.sum(matrix * jnp.swapaxes(x, -1, -2)[..., :, None, :], axis=-1), -1, -2)
 
 
-def _chunk_step(state, xs, *, window, key_decay, after, exact):
-    """One chunk of the general rule: masked matmuls and one triangular inverse per chunk."""
-    q, k, v, write, beta, log_decay, k_halo, v_halo = xs  # (B, H, C, d) and gates (B, H, C, R)
+def _chunk_step(carry, xs, *, window, key_decay, after, exact, initial):
+    """One chunk of the general rule: masked matmuls and one triangular inverse per chunk.
+
+    ``carry``: the chunk-start state (B, H, d_v, d_k). With documents (``xs``'s last entry
+    ``(begins, starts)``, (B, 1, C) each, else None) each segment (``documents.Segments``)
+    reads its own base state, decayed from the segment's start, and the in-chunk sums run
+    inside segments; the mini-batch rule (``exact=False``) then carries the pair (the state the
+    unfinished mini-batch's gradients are taken at, the state)."""
+    q, k, v, write, beta, log_decay, k_halo, v_halo, docs = xs  # (B, H, C, d), gates (B, H, C, R)
+    seg = None if docs is None else documents.segments(*docs)
+    grad_base, state = carry if seg is not None and not exact else (carry, carry)
     size, slots = q.shape[-2], window
     if window > 1:  # row r of a chunk is slot r % c of token r // c
         k, v = _window_rows(k_halo, k, window), _window_rows(v_halo, v, window)
@@ -276,7 +321,7 @@ def _chunk_step(state, xs, *, window, key_decay, after, exact):
 
     # Decay factors between positions, (..., R, C, L) for queries and (..., R, L, L) for erases;
     # R = 1 (shared by all value rows) or d_v (Falcon-2). Key-wise decays fold them into the
-    # inner products instead.
+    # inner products instead. The reads of the base state decay from the segment's start.
     q_read, k_erase, strength = q, k, beta
     if log_decay is None:
         scores = _broadcast_mask(causal, q.ndim) * (q @ k_t)
@@ -285,8 +330,12 @@ def _chunk_step(state, xs, *, window, key_decay, after, exact):
     else:
         g = jnp.cumsum(log_decay, axis=-2)  # (..., C, R or d_k), log Gamma_t
         g_erase = g if after else g - log_decay
+        g_base, ge_base = g, g_erase
+        if seg is not None:
+            offset = jnp.take_along_axis(g - log_decay, seg.start[..., None], axis=-2)
+            g_base, ge_base = g - offset, g_erase - offset
         if key_decay:
-            q_read, k_erase = jnp.exp(g) * q, jnp.exp(rows(g_erase)) * k
+            q_read, k_erase = jnp.exp(g_base) * q, jnp.exp(rows(ge_base)) * k
             sub = _sub_block(size)
             ends = (g - log_decay)[..., ::sub, :], g[..., sub - 1 :: sub, :]  # sub-block ends
             scores = _add_row_axis(_key_decayed_gram(q, k, g, rows(g), *ends, causal))
@@ -300,30 +349,63 @@ def _chunk_step(state, xs, *, window, key_decay, after, exact):
             if erase:
                 ge_t = rows(jnp.swapaxes(g_erase, -1, -2), axis=-1)[..., :, None]
                 coupling = _masked_exp(ge_t - g_cols, strict) * _add_row_axis(k @ k_t)
-                strength = beta * jnp.exp(g_erase)
+                strength = beta * jnp.exp(ge_base)
+    if seg is not None:
+        same = seg.same[:, :, None]  # (B, 1, 1, C, C), as the (..., R, C, L) factors
+        scores, coupling = same * scores, None if coupling is None else same * coupling
 
     # Reads of the chunk-start state by the erase terms and by the queries, in one matmul.
-    reads = jnp.concatenate([k_erase, q_read], axis=-2) @ jnp.swapaxes(state, -1, -2)
-    k_state, q_state = reads[..., :length, :], reads[..., length:, :]
+    both = jnp.concatenate([k_erase, q_read], axis=-2)
+    reads = _reads(both, state, length)
+    if grad_base is not state:  # the mini-batch's gradients are taken at its start
+        reads = (_reads(k_erase, grad_base, length)[0], reads[1])
+    if seg is not None:
+        later = _reads(both, initial, length)
+        first = seg.first[..., None]
+        reads = tuple(jnp.where(first, a, b) for a, b in zip(reads, later, strict=True))
+    k_state, q_state = reads
     u = v
     if erase:
         u = v - rows(strength) * k_state
         if exact:
             coupling = jnp.swapaxes(rows(beta), -1, -2)[..., :, :, None] * coupling
             u = _apply_rows(unit_lower_inverse(coupling), u)
+    if seg is not None and not exact:  # the running document's next mini-batch, if it begins
+        mid = state + jnp.swapaxes(seg.first[..., None] * u, -1, -2) @ k
+        k_mid, q_mid = _reads(both, mid, length)
+        second = seg.second[..., None]
+        if erase:
+            u = jnp.where(second, v - rows(strength) * k_mid, u)
+        q_state = jnp.where(second, q_mid, q_state)
     if log_decay is not None and not key_decay:
-        q_state = jnp.exp(g) * q_state
+        q_state = jnp.exp(g_base) * q_state
     o = q_state + _apply_rows(scores, u)
 
+    if seg is not None:  # the end state continues the last segment's base by its writes
+        base = documents.pick(seg.first, state, initial)
+        if not exact:
+            grad_base = documents.pick(
+                seg.first, grad_base, documents.pick(seg.second, mid, initial)
+            )
+            base = documents.pick(seg.second, mid, base)
+        state, u = base, seg.last[..., None] * u
     if log_decay is None:
-        return state + jnp.swapaxes(u, -1, -2) @ k, o
-    decay_to_end = jnp.exp(rows(g[..., -1:, :] - g))  # (..., L, R or d_k)
-    if key_decay:
-        new = state * jnp.exp(g[..., -1:, :]) + jnp.swapaxes(u, -1, -2) @ (decay_to_end * k)
+        new = state + jnp.swapaxes(u, -1, -2) @ k
     else:
-        end = jnp.swapaxes(jnp.exp(g[..., -1:, :]), -1, -2)  # (..., R, 1)
-        new = state * end + jnp.swapaxes(decay_to_end * u, -1, -2) @ k
-    return new, o
+        decay_to_end = jnp.exp(rows(g[..., -1:, :] - g))  # (..., L, R or d_k)
+        if key_decay:
+            new = state * jnp.exp(g_base[..., -1:, :])
+            new = new + jnp.swapaxes(u, -1, -2) @ (decay_to_end * k)
+        else:
+            end = jnp.swapaxes(jnp.exp(g_base[..., -1:, :]), -1, -2)  # (..., R, 1)
+            new = state * end + jnp.swapaxes(decay_to_end * u, -1, -2) @ k
+    return (new if seg is None or exact else (grad_base, new)), o
+
+
+def _reads(rows, state, length):
+    """``rows (..., L', d_k)`` times ``state^T``, split after ``length`` rows (erase, query)."""
+    reads = rows @ jnp.swapaxes(state, -1, -2)
+    return reads[..., :length, :], reads[..., length:, :]
 
 
 def _add_row_axis(matrix):

@@ -46,6 +46,8 @@ def falcon(
     initial_state=None,
     chunk_size=None,
     scale=1.0,
+    starts=None,
+    start_state=None,
 ):
     """Falcon-1/2/3 memory (see the module docstring for the equations); ``o_t = scale W_t q_t``.
 
@@ -61,6 +63,8 @@ def falcon(
       initial_state: ``(B, H, d_v, d_k)``; ``None`` means zeros.
       chunk_size: tokens per parallel chunk (compute only); ``None`` = fastest, 1 = per token.
       scale: read scale.
+      starts, start_state: packed documents, as in :func:`nested.ops.linear_attention`
+        (``window=1`` only).
 
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
@@ -75,6 +79,7 @@ def falcon(
     validation.check_int("window", window)
     validation.check_state(initial_state, b, h, dv, dk)
     validation.check_int("chunk_size", chunk_size, optional=True)
+    validation.check_documents(starts, start_state, b, t, h, dv, dk)
 
     norm = _window_sum(jnp.sum(jnp.square(x), axis=-1), window) + lam + eps  # (B, T, H)
     if per_channel:
@@ -95,6 +100,8 @@ def falcon(
         erase_after_decay=False,
         initial_state=initial_state,
         chunk_size=size,
+        starts=starts,
+        initial=start_state,
     )
 
 

@@ -21,7 +21,20 @@ from nested.ops import validation
 from nested.ops.chunked import default_chunk_size, delta_family
 
 
-def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=None, scale=None):
+def gdn2(
+    q,
+    k,
+    v,
+    erase,
+    write,
+    log_decay,
+    *,
+    initial_state=None,
+    chunk_size=None,
+    scale=None,
+    starts=None,
+    start_state=None,
+):
     """Stable GDN-2 memory (see the module docstring for the equation).
 
     Args:
@@ -33,6 +46,7 @@ def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=Non
       initial_state: ``(B, H, d_v, d_k)``; ``None`` means zeros.
       chunk_size: tokens per parallel chunk (compute only); ``None`` = fastest, 1 = per token.
       scale: read scale; ``None`` means ``1 / sqrt(d_k)``.
+      starts, start_state: packed documents, as in :func:`nested.ops.linear_attention`.
 
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
@@ -43,6 +57,7 @@ def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=Non
     validation.check_shape("log_decay", log_decay, (b, t, h, dk), "(B, T, H, d_k)")
     validation.check_state(initial_state, b, h, dv, dk)
     validation.check_int("chunk_size", chunk_size, optional=True)
+    validation.check_documents(starts, start_state, b, t, h, dv, dk)
     if scale is None:
         scale = dk**-0.5
     u = jnp.sqrt(erase) * k
@@ -57,4 +72,6 @@ def gdn2(q, k, v, erase, write, log_decay, *, initial_state=None, chunk_size=Non
         erase_after_decay=True,
         initial_state=initial_state,
         chunk_size=size,
+        starts=starts,
+        initial=start_state,
     )

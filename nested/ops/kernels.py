@@ -26,6 +26,16 @@ rule state a :class:`nested.rules.MomentumState`):
   too) on the L2 loss under :class:`~nested.rules.GradientDescent` with optional momentum and
   decay (TTT-Linear, TTT-MLP, Titans), either read, any period;
 * ``atlas``: the Omega rule (or L2) under :class:`~nested.rules.Muon`.
+
+Document starts (packed language-model rows, flash-linear-attention's ``cu_seqlens``): a
+context may carry ``starts`` (B, T), True where a new document starts, and ``initial``, the
+state every such document starts from. A kernel with ``documents=True`` runs each document as
+if alone (the first from the given state, every later one from ``initial``, update periods
+counted from each document's start; outputs concatenated, the final state the last
+document's), values and gradients, by splitting its chunks at the starts
+(:mod:`nested.ops.documents`); ``tests/test_kernel_documents.py`` proves it on every example.
+All kernels but ``atlas`` (Omega windows and Muon's per-token momenta) do; for a context with
+starts the generic path runs in place of a kernel without ``documents``.
 """
 
 from __future__ import annotations
@@ -56,12 +66,15 @@ Run = Callable[[Level, LevelState, Any], tuple[jax.Array, LevelState]]
 class Kernel:
     """A kernel: ``mismatch(level)`` is None when ``run`` implements the level exactly, else
     the reason it does not (one line, naming the field); ``examples()`` builds levels it
-    implements, the cases of its equivalence test."""
+    implements, the cases of its equivalence test. ``documents``: ``run`` honours the
+    context's document starts (``ctx.starts``, ``ctx.initial``) exactly, each document as if
+    run alone; without, the generic path runs a context with starts."""
 
     name: str
     mismatch: Callable[[Level], str | None]
     run: Run
     examples: Callable[[], Sequence[Level]]
+    documents: bool = False
 
 
 KERNELS: list[Kernel] = []
@@ -210,39 +223,60 @@ def _per_token(spec: rules.GateSpec | None, ctx, default: float = 0.0) -> jax.Ar
     return jnp.full(ctx.k.shape[:3], value, jnp.result_type(ctx.k, ctx.v))
 
 
+def _documents(ctx) -> dict[str, Any]:
+    """The document keywords of a linear op: ``starts`` (B, T) and ``start_state``, the
+    memory of ``ctx.initial`` (B, H, d_v, d_k); none without starts."""
+    if ctx.starts is None:
+        return {}
+    return {"starts": ctx.starts, "start_state": ctx.initial.params[0]["w"]}
+
+
 def _on_matrix(op: Callable) -> Run:
-    """Run ``op(level, W (B, H, d_v, d_k), ctx) -> (o, W)`` on a linear memory's state."""
+    """Run ``op(level, W (B, H, d_v, d_k), ctx, **documents) -> (o, W)`` on a linear memory's
+    state (its rule state is empty and there is no cache: the matrix is all a document
+    restarts)."""
 
     def run(level: Level, state: LevelState, ctx):
-        o, W = op(level, state.params[0]["w"], ctx)
+        o, W = op(level, state.params[0]["w"], ctx, **_documents(ctx))
         return o, state.replace(params=({"w": W},))
 
     return run
 
 
-def _hebbian_op(level, W, ctx):
+def _hebbian_op(level, W, ctx, **documents):
     lr = level.rule.lr
     v = ctx.v if lr == 1.0 else _per_token(lr, ctx)[..., None] * ctx.v
-    return linear_attention(ctx.q, ctx.k, v, initial_state=W, chunk_size=level.chunk)
+    return linear_attention(ctx.q, ctx.k, v, initial_state=W, chunk_size=level.chunk, **documents)
 
 
-def _delta_op(level, W, ctx):
+def _delta_op(level, W, ctx, **documents):
     beta = _per_token(level.rule.lr, ctx)
     if level.every == 1:
-        return delta_rule(ctx.q, ctx.k, ctx.v, beta, initial_state=W, chunk_size=level.chunk)
-    return ttt_linear(ctx.q, ctx.k, ctx.v, beta, initial_state=W, chunk_size=level.every)
+        return delta_rule(
+            ctx.q, ctx.k, ctx.v, beta, initial_state=W, chunk_size=level.chunk, **documents
+        )
+    return ttt_linear(
+        ctx.q, ctx.k, ctx.v, beta, initial_state=W, chunk_size=level.every, **documents
+    )
 
 
-def _gated_delta_op(level, W, ctx):
+def _gated_delta_op(level, W, ctx, **documents):
     rule = level.rule
     beta = _per_token(rule.lr, ctx)
     log_alpha = ctx.gates[rule.retain]
     return gated_delta_rule(
-        ctx.q, ctx.k, ctx.v, beta, log_alpha=log_alpha, initial_state=W, chunk_size=level.chunk
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        beta,
+        log_alpha=log_alpha,
+        initial_state=W,
+        chunk_size=level.chunk,
+        **documents,
     )
 
 
-def _falcon_op(level, W, ctx):
+def _falcon_op(level, W, ctx, **documents):
     objective = level.objective
     return falcon(
         ctx.q,
@@ -253,10 +287,11 @@ def _falcon_op(level, W, ctx):
         eps=objective.eps,
         initial_state=W,
         chunk_size=level.chunk,
+        **documents,
     )
 
 
-def _gdn2_op(level, W, ctx):
+def _gdn2_op(level, W, ctx, **documents):
     objective, g = level.objective, ctx.gates
     return gdn2(
         ctx.q,
@@ -268,6 +303,7 @@ def _gdn2_op(level, W, ctx):
         initial_state=W,
         chunk_size=level.chunk,
         scale=1.0,
+        **documents,
     )
 
 
@@ -285,14 +321,22 @@ def _network(memory) -> tuple[Callable | None, dict[str, Any]]:
 
 def _neural_gradient_descent(level: Level, state: LevelState, ctx):
     """TTT (no momentum, no decay, after-write reads) or the Titans op (momentum ``m = 0`` and
-    decay ``a = 0`` where the rule has none: ``S_t = -h_t g_t`` is plain gradient descent)."""
+    decay ``a = 0`` where the rule has none: ``S_t = -h_t g_t`` is plain gradient descent).
+    Documents restart the memory and the momentum (no cache)."""
     rule = level.rule
     phi, network = _network(level.memory)
     q, k = (ctx.q, ctx.k) if phi is None else (phi(ctx.q), phi(ctx.k))
     lr = _per_token(rule.lr, ctx)
+    start, documents = ctx.initial, {} if ctx.starts is None else {"starts": ctx.starts}
     if rule.momentum is None and rule.decay is None and level.read == "after_write":
-        o, params = ttt_mlp(q, k, ctx.v, lr, params=state.params, chunk_size=level.every, **network)
+        if documents:
+            documents["start_params"] = start.params
+        o, params = ttt_mlp(
+            q, k, ctx.v, lr, params=state.params, chunk_size=level.every, **network, **documents
+        )
         return o, state.replace(params=params)
+    if documents:
+        documents["start_state"] = titans_state(start.params, start.opt_state.momentum)
     o, new = titans(
         q,
         k,
@@ -304,6 +348,7 @@ def _neural_gradient_descent(level: Level, state: LevelState, ctx):
         chunk_size=level.every,
         read=level.read,
         **network,
+        **documents,
     )
     opt_state = state.opt_state if rule.momentum is None else rules.MomentumState(new.momentum)
     return o, state.replace(params=new.params, opt_state=opt_state)
@@ -371,6 +416,7 @@ register(
             *_linear_examples(objectives.dot, rules.sgd(1.0))(),
             _level(objectives.dot, rules.sgd("beta"), every=3),
         ],
+        documents=True,
     )
 )
 register(
@@ -389,6 +435,7 @@ register(
             _level(objectives.l2, rules.sgd("beta"), every=4),
             _level(objectives.l2, rules.sgd(0.5), every=5),
         ],
+        documents=True,
     )
 )
 _LOG_ALPHA = {"retain": rules.Gate("log_decay", init=math.log(0.95))}
@@ -408,6 +455,7 @@ register(
         _linear_examples(
             objectives.l2, rules.sgd("beta", retain="log_alpha", gate_kinds=_LOG_ALPHA)
         ),
+        documents=True,
     )
 )
 register(
@@ -423,6 +471,7 @@ register(
         ),
         _on_matrix(_falcon_op),
         _linear_examples(objectives.NormalizedRidge(), rules.sgd("beta")),
+        documents=True,
     )
 )
 _KEY_DECAY = {"retain": rules.Gate("log_decay", init=-0.05, size="d_k")}
@@ -443,6 +492,7 @@ register(
         _linear_examples(
             objectives.ErasedL2(), rules.sgd(1.0, retain="log_decay", gate_kinds=_KEY_DECAY)
         ),
+        documents=True,
     )
 )
 
@@ -481,6 +531,7 @@ register(
         ),
         _neural_gradient_descent,
         _neural_examples,
+        documents=True,
     )
 )
 

@@ -56,6 +56,8 @@ def titans(
     activation="gelu",
     residual_norm: bool = False,
     norm_eps: float = 1e-6,
+    starts: jax.Array | None = None,
+    start_state: TitansState | None = None,
 ) -> tuple[jax.Array, TitansState]:
     """Titans memory over a sequence (chunked; chunk_size=1 is the online rule).
 
@@ -69,6 +71,9 @@ def titans(
         (``nested.ops.stream`` cuts a stream anywhere).
       read: "after_write" or "chunk_start" (module docstring).
       activation, residual_norm, norm_eps: the memory network (``nested.ops.mlp_memory``).
+      starts: (B, T) bool, True where a new document starts (packed documents, as in
+        ``nested.ops.linear_attention``): each document runs as if alone, the first from
+        ``state``, every later one from ``start_state``, its chunks counted from its start.
     Returns:
       o (B, T, H, d_v) and the final ``TitansState``.
     """
@@ -78,12 +83,19 @@ def titans(
     validation.check_int("chunk_size", chunk_size)
     validation.check_read(read)
     validation.check_memory_state(state, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm)
+    validation.check_starts(starts, start_state, b, t, like=state[:2])
     form = mm.make_form(activation, residual_norm, norm_eps)
     dtype = jnp.result_type(q, k, v, lr, momentum, decay, *jax.tree.leaves(tuple(state[:2])))
     # step_out = 1 marks real tokens: padding (0) must not add the carried momentum again.
     seq = cs.ChunkInputs(q, k, v, lr, step_out=jnp.ones_like(lr), mom=momentum, keep=1 - decay)
-    carry = cs.ScanCarry(*cs.cast((tuple(state[0]), tuple(state[1])), dtype), None)
+    restart = None if start_state is None else cs.cast(tuple(map(tuple, start_state[:2])), dtype)
+    carry = cs.ScanCarry(*cs.cast((tuple(state[0]), tuple(state[1])), dtype), None, restart=restart)
     o, final = cs.scan_rule(
-        carry, cs.cast(seq, dtype), chunk_size=chunk_size, form=form, read=read, window=1
+        carry,
+        cs.cast(seq, dtype)._replace(starts=starts),
+        chunk_size=chunk_size,
+        form=form,
+        read=read,
+        window=1,
     )
     return o, TitansState(final.params, final.momentum)

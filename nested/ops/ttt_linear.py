@@ -20,7 +20,7 @@ from nested.ops import validation
 from nested.ops.chunked import delta_family
 
 
-def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
+def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0, starts=None, start_state=None):
     """Mini-batch TTT-Linear (see the module docstring for the equation).
 
     Args:
@@ -33,6 +33,8 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
         token, so a stream split across calls continues exactly at multiples of ``b``;
         ``nested.ops.stream`` cuts a stream anywhere).
       scale: read scale.
+      starts, start_state: packed documents, as in :func:`nested.ops.linear_attention`; each
+        document's mini-batches are counted from its start.
 
     Returns:
       ``(o (B, T, H, d_v), final_state (B, H, d_v, d_k))``.
@@ -41,6 +43,7 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
     validation.check_shape("lr", lr, (b, t, h), "(B, T, H)")
     validation.check_state(initial_state, b, h, dv, dk)
     validation.check_int("chunk_size", chunk_size)
+    validation.check_documents(starts, start_state, b, t, h, dv, dk)
     return delta_family(
         q * scale,
         k,
@@ -50,4 +53,6 @@ def ttt_linear(q, k, v, lr, *, initial_state, chunk_size, scale=1.0):
         exact=False,
         initial_state=initial_state,
         chunk_size=chunk_size,
+        starts=starts,
+        initial=start_state,
     )

@@ -33,6 +33,8 @@ def ttt_mlp(
     activation="gelu",
     residual_norm: bool = False,
     norm_eps: float = 1e-6,
+    starts: jax.Array | None = None,
+    start_params: mm.Params | None = None,
 ) -> tuple[jax.Array, mm.Params]:
     """Mini-batch TTT on an MLP memory.
 
@@ -46,6 +48,10 @@ def ttt_mlp(
         (``nested.ops.stream`` cuts a stream anywhere).
       activation: hidden activation name (``mlp_memory.ACTIVATIONS``) or callable.
       residual_norm: use f(x) = x + LN(MLP(x)) (needs d_k == d_v).
+      starts: (B, T) bool, True where a new document starts (packed documents, as in
+        ``nested.ops.linear_attention``): each document runs as if alone, the first from
+        ``params``, every later one from ``start_params``, its mini-batches counted from its
+        start.
     Returns:
       o (B, T, H, d_v) read after each token's write, and the final params.
     """
@@ -56,10 +62,12 @@ def ttt_mlp(
     validation.check_params(
         params, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm, name="params"
     )
+    validation.check_starts(starts, start_params, b, t, like=params, name="start_params")
     form = mm.make_form(activation, residual_norm, norm_eps)
     dtype = jnp.result_type(q, k, v, lr, *jax.tree.leaves(params))
-    seq = cs.cast(cs.ChunkInputs(q, k, v, step_in=lr), dtype)
-    carry = cs.ScanCarry(cs.cast(tuple(params), dtype), None, None)
+    seq = cs.cast(cs.ChunkInputs(q, k, v, step_in=lr), dtype)._replace(starts=starts)
+    restart = None if start_params is None else (cs.cast(tuple(start_params), dtype), None)
+    carry = cs.ScanCarry(cs.cast(tuple(params), dtype), None, None, restart=restart)
     o, final = cs.scan_rule(
         carry, seq, chunk_size=chunk_size, form=form, read="after_write", window=1
     )

@@ -65,6 +65,37 @@ def check_state(initial_state, b: int, h: int, dv: int, dk: int) -> None:
         check_shape("initial_state", initial_state, (b, h, dv, dk), "(B, H, d_v, d_k)")
 
 
+def check_starts(starts, start_state, b: int, t: int, like=None, name="start_state") -> None:
+    """Checks optional document starts ``(B, T)`` bool, given with the state ``name`` every
+    document after the first starts from, of the structure and shapes of ``like`` (the op's
+    state) when given."""
+    if starts is None:
+        if start_state is not None:
+            raise ValueError(f"`{name}` is the state of the documents after `starts`: pass both.")
+        return
+    check_shape("starts", starts, (b, t), "(B, T)")
+    if starts.dtype != jnp.bool_:
+        raise ValueError(f"`starts` must be a bool array, got dtype {starts.dtype}.")
+    if start_state is None:
+        raise ValueError(f"`starts` needs `{name}`, the state its documents start from.")
+    shapes = lambda tree: jax.tree.map(jnp.shape, tuple(tree))
+    if like is not None and (
+        jax.tree.structure(tuple(start_state)) != jax.tree.structure(tuple(like))
+        or shapes(start_state) != shapes(like)
+    ):
+        raise ValueError(
+            f"`{name}` must have the structure and shapes of the op's state {shapes(like)}, "
+            f"got {shapes(start_state)}."
+        )
+
+
+def check_documents(starts, start_state, b: int, t: int, h: int, dv: int, dk: int) -> None:
+    """``check_starts`` for the linear memories: ``start_state`` is ``(B, H, d_v, d_k)``."""
+    check_starts(starts, start_state, b, t)
+    if starts is not None:
+        check_shape("start_state", start_state, (b, h, dv, dk), "(B, H, d_v, d_k)")
+
+
 def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
     """Checks that ``value`` is an int >= ``minimum`` (or None when ``optional``)."""
     if value is None and optional:

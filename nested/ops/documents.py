@@ -1,0 +1,73 @@
+"""Packed documents inside a chunked op: where each chunk's tokens restart the memory.
+
+A sequence may pack several documents (flash-linear-attention's ``cu_seqlens``), given as
+``starts (B, T)``: True where a new document starts (position 0 never is one). Each document
+must run as if alone: the first from the op's state, every later one from an initial state, its
+update periods (mini-batches) counted from its own start. A chunked op keeps its chunks on the
+sequence's grid and splits each chunk into *segments*, runs of tokens that share one base
+state: inside a chunk only tokens of one segment interact, every token reads its segment's
+base, and the chunk's end state is its last segment's.
+
+Segment 0 continues the chunk-start state. With one update a token every later segment is a
+document. With mini-batches of ``every`` tokens on a grid of ``every``-token chunks the
+document running at the chunk start may begin its next mini-batch inside the chunk, the
+``second`` segment (from the state after the first); every later segment is a document
+starting inside the chunk (whose next period begins beyond the chunk's end).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Segments(NamedTuple):
+    """A chunk's segments, (B, 1, C) over its tokens (``same`` (B, 1, C, C))."""
+
+    start: jax.Array  # the index of the first token of each token's segment (0 in segment 0)
+    first: jax.Array  # segment 0: the tokens continuing the chunk-start state
+    second: jax.Array  # the running document's tokens after segment 0 (mini-batches only)
+    same: jax.Array  # token pairs in one segment: only they interact inside the chunk
+    last: jax.Array  # the last segment: only its writes reach the chunk's end state
+
+
+def segments(begins: jax.Array, starts: jax.Array) -> Segments:
+    """The segments of a chunk from ``begins`` (B, 1, C), True where a segment begins (a
+    document or an update period of the running one), and ``starts``, where a document starts
+    (:func:`period_begins` of a chunk, or ``starts`` itself for one update a token)."""
+    label = jnp.cumsum(begins, axis=-1)
+    index = jnp.broadcast_to(jnp.arange(begins.shape[-1]), begins.shape)
+    running = jnp.cumsum(starts, axis=-1) == 0
+    return Segments(
+        start=jax.lax.cummax(jnp.where(begins, index, 0), axis=begins.ndim - 1),
+        first=label == 0,
+        second=running & (label > 0),
+        same=label[..., :, None] == label[..., None, :],
+        last=label == label[..., -1:],
+    )
+
+
+def period_begins(starts: jax.Array, every: int) -> jax.Array:
+    """(B, T) bool: where an update period of ``every`` tokens begins, counted from each
+    document's start (position 0 and every start begin one)."""
+    index = jnp.broadcast_to(jnp.arange(starts.shape[1]), starts.shape)
+    begun = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    return (index - begun) % every == 0
+
+
+def choose(mask: jax.Array, a, b):
+    """``a`` in the batch rows where ``mask`` (B,) holds, else ``b``: pytrees of states with
+    leading (B, H)."""
+    return jax.tree.map(lambda x, y: jnp.where(mask.reshape(-1, *(1,) * (x.ndim - 1)), x, y), a, b)
+
+
+def pick(segment: jax.Array, a, b):
+    """``a`` where the chunk's last token is in ``segment`` (B, 1, C), else ``b`` (``choose``)."""
+    return choose(segment[:, 0, -1], a, b)
+
+
+def select(segment: jax.Array, a, b):
+    """Per token, ``a`` in ``segment`` (B, 1, C), else ``b``: pytrees of (B, H, C, ...) rows."""
+    return jax.tree.map(
+        lambda x, y: jnp.where(segment.reshape(*segment.shape, *(1,) * (x.ndim - 3)), x, y), a, b
+    )
