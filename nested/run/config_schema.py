@@ -249,9 +249,25 @@ def check_sections(config: config_dict.ConfigDict) -> None:
 
 def slots(config, model: Mapping[str, Any], entry: ModelEntry) -> tuple[dict, dict]:
     """Each model slot's level name(s) and the slot of each declared level; raises
-    :class:`ConfigError` for a slot naming an undeclared level or a level in no slot."""
-    if "levels" not in config or not dict(config.levels.items()):
-        raise ConfigError("levels: declare at least one fast level (levels.<name>.rule=...)")
+    :class:`ConfigError` for a slot naming an undeclared level, a level in no slot, and a
+    ``model.level`` that does not go with ``model.mixer`` (``"attention"``, MemoryLM's
+    Transformer++, takes none and may declare no levels; every other mixer needs one)."""
+    attention = model.get("mixer") == "attention"
+    if not attention and ("levels" not in config or not dict(config.levels.items())):
+        raise ConfigError(
+            "levels: declare at least one fast level (levels.<name>.rule=...), or set "
+            "model.mixer='attention' for a model without one"
+        )
+    if attention and model.get("level") is not None:
+        raise ConfigError(
+            f"model.level={model['level']!r}: model.mixer='attention' runs no fast level; "
+            "unset model.level (and its levels entry) or choose a memory mixer"
+        )
+    if not attention and model.get("level") is None:
+        raise ConfigError(
+            f"model.level is required with model.mixer={model.get('mixer')!r}; set it to a "
+            f"declared level, one of {sorted(config.levels.keys())}"
+        )
     many_of = cf.model_slots(entry.build, entry.also)
     names_in = {slot: model.get(slot) for slot in many_of}
     slot_of = {}
