@@ -3,11 +3,15 @@
 Loads the latest checkpoint of ``--workdir`` (slow weights frozen) and serves one learning
 fast-weight memory per agent over HTTP on ``--host``:``--port`` (default loopback), the
 states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); with
-``--api_key_file`` every agent request needs ``Authorization: Bearer <the file's key>``.
-OpenAPI docs at ``/docs``. Everything is in ``nested.companion``.
+``--api_key_file`` every request but ``/health`` and the docs needs ``Authorization: Bearer
+<the file's key>``. Before serving, every bucket size a request can make is compiled, cheapest
+first, for at most ``--warm_s`` seconds; the startup line says how many and how long. A store
+that is damaged where opening it reads exits with one line. OpenAPI docs at ``/docs``.
+Everything is in ``nested.companion``.
 """
 
 import socket
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -23,6 +27,12 @@ _PORT = flags.DEFINE_integer("port", 8080, "Port to listen on.")
 _STORE = flags.DEFINE_string("store", None, "SQLite file of the agents' states.")
 _KEY = flags.DEFINE_string("api_key_file", None, "File holding the bearer key (one line).")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 256, "Most agents in one jitted call.")
+_WARM_S = flags.DEFINE_float(
+    "warm_s",
+    120.0,
+    "Seconds at most spent compiling the bucket sizes of requests before serving (0: none; "
+    "sizes left compile at their first request).",
+)
 _OTHER_STEPS = flags.DEFINE_enum(
     "other_steps",
     "serve",
@@ -63,12 +73,20 @@ def main(argv):
                 max_batch=_MAX_BATCH.value,
                 other_steps=_OTHER_STEPS.value,
             )
+            notes = companion.other_writers()
         except engine.CompanionError as error:
             sys.exit(f"error: {error}")
-        for line in companion.other_writers():
+        except sqlite3.DatabaseError as error:
+            sys.exit(f"error: --store: the agents' store is damaged (sqlite3: {error})")
+        for line in notes:
             print(f"note: {line}", flush=True)
+        warmed, sizes, seconds = companion.warm(_WARM_S.value)
         app = server.create_app(companion, api_key=key)
-        print(f"serving {_WORKDIR.value} on http://{_HOST.value}:{_PORT.value}", flush=True)
+        print(
+            f"serving {_WORKDIR.value} on http://{_HOST.value}:{_PORT.value} (warmed {warmed} "
+            f"of {sizes} bucket sizes in {seconds:.1f} s)",
+            flush=True,
+        )
         uvicorn.run(app, host=_HOST.value, port=_PORT.value, log_level="warning")
 
 

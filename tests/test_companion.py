@@ -4,7 +4,10 @@ Isolation, bad input, durability across SIGKILL and restart, a damaged state row
 concurrent clients, each checked against the Python API replaying the same events.
 """
 
+import contextlib
+import hashlib
 import http.client
+import http.server
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ from flax import serialization
 from nested.companion import study
 from nested.companion.client import SERVE, Client, ServerProcess
 from nested.companion.engine import Companion, CompanionError
+from nested.companion.server import MAX_BODY
 from nested.companion.store import SQLiteStore
 from nested.run import config as nc
 from nested.run import loading, train
@@ -121,6 +125,7 @@ def test_agents_are_isolated_and_bad_input_writes_nothing(server):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.putrequest("POST", "/agents/b/observe")
     connection.putheader("content-type", "application/json")
+    connection.putheader("authorization", f"Bearer {KEY}")
     connection.putheader("content-length", str(2 << 20))
     connection.endheaders()
     response = connection.getresponse()
@@ -342,6 +347,8 @@ def test_health_reports_the_fingerprint_as_an_object(server):
     assert status == 200 and body["status"] == "ok" and body["vocab"] == 13
     assert set(body["fingerprint"]) == {"architecture", "step"}
     assert len(body["fingerprint"]["architecture"]) == 16
+    assert server.started.endswith(" bucket sizes in 0.0 s)")  # --warm_s=0: none warmed
+    assert "(warmed 0 of " in server.started
 
 
 def test_more_training_does_not_lock_agents_out(workdir, tmp_path):
@@ -358,8 +365,9 @@ def test_more_training_does_not_lock_agents_out(workdir, tmp_path):
         f"1 agent(s) written by the slow weights of step {trained.step}: refused (--other_steps)"
     ]
     (answer,) = refusing.recall({"a": [[1]]}).values()
-    assert f"slow weights of step {trained.step}, these are of step {trained.step + 50}" in (
-        answer["error"]
+    assert (
+        f"slow weights of step {trained.step}, these are of step {trained.step + 50}"
+        in (answer["error"])
     )
     exported = serialization.msgpack_restore(refusing.export_agent("a"))
     assert json.loads(exported["fingerprint"])["step"] == trained.step and exported["tokens"] == 8
@@ -371,3 +379,323 @@ def test_more_training_does_not_lock_agents_out(workdir, tmp_path):
     assert serving.other_writers() == [] and serving.tokens_observed("a") == 16
     serving.import_agent("b", serialization.msgpack_serialize(exported))
     assert "error" not in serving.recall({"b": [[1]]})["b"]
+
+
+# -- issue 27: refuse before reading, strict types, validated imports, no redirects -------------
+
+ENDPOINTS = [
+    ("POST", "/agents/b/observe"),
+    ("POST", "/agents/b/recall"),
+    ("POST", "/agents/b/consolidate"),
+    ("GET", "/agents/b"),
+    ("DELETE", "/agents/b"),
+    ("GET", "/agents/b/export"),
+    ("PUT", "/agents/b/import"),
+]
+
+
+def http_request(server, method, path, body=b"", *, key=KEY, headers=()):
+    """``(status, headers, decoded JSON or bytes)`` of one raw request (http.client: nothing
+    between the test and the server)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    sent = {"content-type": "application/json", **dict(headers)}
+    if key is not None:
+        sent["authorization"] = f"Bearer {key}"
+    connection.request(method, path, body, sent)
+    response = connection.getresponse()
+    content = response.read()
+    connection.close()
+    with contextlib.suppress(ValueError):
+        content = json.loads(content)
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, content
+
+
+def assert_error_shape(content):
+    assert isinstance(content, dict) and list(content) == ["error"], content
+    assert isinstance(content["error"], str) and "\n" not in content["error"]
+
+
+def chunked(server, path, chunks, *, key=KEY, end=True):
+    """A raw ``Transfer-Encoding: chunked`` POST: each of ``chunks`` sent as a chunk (and the
+    last chunk, if ``end``); ``(status, decoded JSON body)`` of the answer, which must come
+    within 20 s."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+        head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        if key is not None:
+            head += f"authorization: Bearer {key}\r\n"
+        s.sendall((head + "transfer-encoding: chunked\r\n\r\n").encode())
+        for chunk in chunks:
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        if end:
+            s.sendall(b"0\r\n\r\n")
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+def test_the_key_is_checked_before_the_body_is_read(server):
+    """Cause 1: no or a wrong key is a 401 on every endpoint, however malformed the body."""
+    for method, path in ENDPOINTS + [("GET", "/nowhere"), ("POST", "/agents/b/")]:
+        for key in (None, "nope", KEY[:-1]):
+            status, headers, content = http_request(
+                server, method, path, b'{"tokens": [1, 2,', key=key
+            )
+            assert status == 401, (method, path, key, status, content)
+            assert_error_shape(content)
+            assert "API key" in content["error"] and headers.get("www-authenticate") == "Bearer"
+    # A chunked body without a key: refused at once, before any of it is sent.
+    status, content = chunked(server, "/agents/b/observe", [], key=None, end=False)
+    assert status == 401 and "API key" in content["error"]
+    assert http_request(server, "GET", "/health", key=None)[0] == 200  # open: no body, no agent
+
+
+def test_the_body_limit_holds_whatever_the_framing(server):
+    """Cause 2: a chunked body is counted as it is read and refused once over the limit,
+    without waiting for its end; one under the limit is served."""
+    piece = b" " * (64 << 10)
+    status, content = chunked(
+        server, "/agents/b/observe", [piece] * 17, end=False
+    )  # 1 MiB + 64 KiB
+    assert status == 413 and "limit" in content["error"], content
+    body = json.dumps({"tokens": tokens(5)}).encode()
+    status, content = chunked(server, "/agents/chunky/observe", [body[:5], body[5:]])
+    assert status == 200 and content == {"agent_id": "chunky", "tokens": 8}
+
+
+def test_token_ids_are_strict_integers(server):
+    """Cause 3: floats, strings and booleans are not token ids: 422 naming the field, nothing
+    written."""
+    lax = [
+        "[1.0, 2.0, 3.0, 4.0]",
+        "[1e1, 2, 3, 4]",
+        '["1", "2", "3", "4"]',
+        '[" 1 ", "2", "3", "4"]',
+    ]
+    lax += ["[true, false, true, true]", "[1, 2, 3, 4.0]"]
+    for tokens_ in lax:
+        body = f'{{"tokens": {tokens_}}}'.encode()
+        status, _, content = http_request(server, "POST", "/agents/strict/observe", body)
+        assert status == 422 and content["error"].startswith("tokens."), (tokens_, content)
+        body = f'{{"queries": [[1, 2], {tokens_}]}}'.encode()
+        status, _, content = http_request(server, "POST", "/agents/strict/recall", body)
+        assert status == 422 and content["error"].startswith("queries.1."), (tokens_, content)
+    assert server.request("GET", "/agents/strict")[1]["tokens"] == 0
+
+
+def _edited(data: bytes, edit) -> bytes:
+    content = serialization.msgpack_restore(data)
+    edit(content)
+    return serialization.msgpack_serialize(content)
+
+
+def _first_leaf(tree) -> tuple[dict, str]:
+    """The dict holding the first array of a state dict, and its key."""
+    for key, value in tree.items():
+        if isinstance(value, np.ndarray):
+            return tree, key
+        if isinstance(value, dict) and value:
+            try:
+                return _first_leaf(value)
+            except LookupError:
+                continue
+    raise LookupError("no array")
+
+
+def _set_leaf(value):
+    def edit(content):
+        holder, key = _first_leaf(content["state"])
+        holder[key] = value(holder[key]) if callable(value) else value
+
+    return edit
+
+
+def test_an_import_is_checked_in_full_and_no_non_finite_state_is_served(server):
+    """Cause 4: every edited export is a 422 naming what is wrong and writes nothing; an
+    observe that would make a state non-finite is refused, the state kept."""
+    assert server.request("POST", "/agents/src/observe", {"tokens": tokens(11)})[0] == 200
+    exported = server.request("GET", "/agents/src/export")[1]
+    nan = lambda x: np.full_like(x, np.nan)  # noqa: E731
+    edits = [
+        (_set_leaf(3), "got int 3"),
+        (_set_leaf("w"), "got str 'w'"),
+        (_set_leaf(lambda x: x.astype(np.float64)), "expected a float32 array"),
+        (_set_leaf(lambda x: x[..., :1]), "of shape"),
+        (_set_leaf(nan), "not finite"),
+        (lambda c: c.__setitem__("state", jax.tree.map(nan, c["state"])), "not finite"),
+        (lambda c: c["state"].__setitem__("extra", np.zeros(1)), "unexpected ['extra']"),
+        (lambda c: c.__setitem__("state", 5), "state: expected a mapping"),
+        (lambda c: c.pop("tokens"), "not a companion state file"),
+        (lambda c: c.__setitem__("fingerprint", 7), "fingerprint: expected a string"),
+    ]
+    edits += [
+        (lambda c, t=t: c.__setitem__("tokens", t), "tokens: expected an integer")
+        for t in (2**63, -5, 1.5, "12", True)
+    ]
+    for edit, message in edits:
+        status, content = server.request("PUT", "/agents/dst/import", raw=_edited(exported, edit))
+        assert status == 422 and message in content["error"], (message, status, content)
+        assert content["error"].startswith("import: ")
+    assert server.request("GET", "/agents/dst")[1]["tokens"] == 0  # nothing was written
+    # Finite but huge: imported, but the next observe would overflow it; refused, state kept.
+    huge = _edited(
+        exported,
+        lambda c: c.__setitem__("state", jax.tree.map(lambda x: np.full_like(x, 3e38), c["state"])),
+    )
+    assert server.request("PUT", "/agents/dst/import", raw=huge) == (
+        200,
+        {"agent_id": "dst", "tokens": 8},
+    )
+    before = server.request("GET", "/agents/dst/export")[1]
+    status, content = server.request("POST", "/agents/dst/observe", {"tokens": tokens(12)})
+    assert status == 409 and "non-finite" in content["error"], content
+    assert server.request("GET", "/agents/dst/export")[1] == before
+    assert server.request("GET", "/agents/dst")[1]["tokens"] == 8
+
+
+def test_no_redirects_and_an_invalid_id_in_a_path_is_400(server, tmp_path):
+    """Cause 5: ``victim/``, ``victim%2F`` and the like are 400, never a redirect onto
+    ``victim``; the Client does not follow a redirect."""
+    assert server.request("POST", "/agents/victim/observe", {"tokens": tokens(13)})[0] == 200
+    paths = [
+        ("GET", "/agents/victim/"),
+        ("DELETE", "/agents/victim/"),
+        ("GET", "/agents/victim%2F"),
+        ("DELETE", "/agents/victim%2F"),
+        ("DELETE", "/agents/victim%2f"),
+        ("GET", "/agents/victim/export/"),
+        ("POST", "/agents/victim%2Fobserve"),
+        ("POST", "/agents/..%2Fvictim/observe"),
+        ("DELETE", "/agents/%76ictim"),
+        ("GET", "/agents/"),
+        ("DELETE", "/%61gents/victim"),
+    ]
+    for method, path in paths:
+        status, headers, content = http_request(server, method, path, b'{"tokens": [1]}')
+        assert status == 400 and "location" not in headers, (method, path, status, headers)
+        assert_error_shape(content)
+        assert "is not valid" in content["error"] or "percent-escapes" in content["error"]
+    assert server.request("GET", "/agents/victim")[1]["tokens"] == 8  # not forgotten
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_DELETE(self):
+            self.send_response(307)
+            self.send_header("location", f"{server.client.base}/agents/victim")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting) as redirecting:
+        threading.Thread(target=redirecting.serve_forever, daemon=True).start()
+        client = Client(f"http://127.0.0.1:{redirecting.server_address[1]}", KEY)
+        assert client.request("DELETE", "/agents/victim/")[0] == 307
+        redirecting.shutdown()
+    assert server.request("GET", "/agents/victim")[1]["tokens"] == 8
+
+
+def test_every_error_has_the_documented_shape(server):
+    """Cause 7: parse failures, 404, 405, 413 and validation errors are all ``{"error": ...}``
+    (one line)."""
+    cases = [
+        ("POST", "/agents/b/observe", b'{"tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 422),
+        ("POST", "/agents/b/observe", b'{"tokens": [' + b"9" * 5000 + b"]}", 422),
+        ("POST", "/agents/b/observe", b'{"tokens": [1], "x": "\xff\xfe"}', 422),
+        ("POST", "/agents/b/observe", b'{"tokens": [1, 2,', 422),
+        ("POST", "/agents/b/observe", b"", 422),
+        ("POST", "/agents/b/recall", b'{"queries": "x"}', 422),
+        ("GET", "/nowhere", b"", 404),
+        ("GET", "/agents/b/elsewhere", b"", 400),
+        ("PUT", "/agents/b/observe", b"", 405),
+        ("POST", "/health", b"", 405),
+        ("POST", "/agents/b/observe", b" " * (MAX_BODY + 1), 413),
+    ]
+    for method, path, body, expected in cases:
+        status, _, content = http_request(server, method, path, body)
+        assert status == expected, (method, path, body[:40], status, content)
+        assert_error_shape(content)
+
+
+def test_reads_that_need_no_model_do_not_wait_behind_one(server):
+    """Health and tokens observed answer while long model calls run (maximal recalls of
+    agents never seen, the first of their size: a compile, then 16 calls of 64 rows)."""
+    server.request("POST", "/agents/reader/observe", {"tokens": tokens(14)})
+    long = [[1 + i % 12] * 512 for i in range(256)]
+    threads = [
+        threading.Thread(
+            target=server.request, args=("POST", f"/agents/long-{i}/recall", {"queries": long})
+        )
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)  # the recalls read and queued (here they run some 4 s in all)
+    assert server.request("GET", "/health")[0] == 200
+    assert server.request("GET", "/agents/reader")[1]["tokens"] == 8
+    assert any(t.is_alive() for t in threads)  # answered while the recalls were still running
+    for t in threads:
+        t.join(timeout=300)
+
+
+def test_warming_compiles_the_bucket_sizes_within_its_budget(workdir, tmp_path):
+    companion = Companion.open(workdir, tmp_path / "warm.sqlite", max_batch=3)
+    sizes = companion.buckets()
+    assert ("observe", 1, companion.period) == sizes[0] and ("recall", 4, 512) in sizes
+    assert {rows for _, rows, _ in sizes} == {1, 2, 4}
+    warmed, total, seconds = companion.warm(budget_s=1.0)
+    assert total == len(sizes) and 1 <= warmed < total and seconds < 30
+    assert companion.warm(budget_s=0) == (0, total, pytest.approx(0, abs=1))
+
+
+def test_the_digest_covers_every_served_column_and_a_damaged_database_is_503(workdir, tmp_path):
+    """Cause 6: a row whose tokens (or fingerprint) were edited with the server down is
+    refused as damaged, a row of the former digest format is upgraded and served; cause 7: a
+    damaged database file is a 503 saying so."""
+    store = tmp_path / "agents.sqlite"
+    served = Server(workdir, store)
+    for agent in ("edited", "renamed", "legacy", "fine"):
+        assert served.request("POST", f"/agents/{agent}/observe", {"tokens": tokens(15)})[0] == 200
+    served.kill(signal.SIGTERM)
+    with sqlite3.connect(store) as db:
+        db.execute("UPDATE agents SET tokens = 999999 WHERE id = 'edited'")
+        db.execute("UPDATE agents SET fingerprint = fingerprint || ' ' WHERE id = 'renamed'")
+        (state,) = db.execute("SELECT state FROM agents WHERE id = 'legacy'").fetchone()
+        db.execute(
+            "UPDATE agents SET digest = ? WHERE id = 'legacy'", (hashlib.sha256(state).hexdigest(),)
+        )
+    served = Server(workdir, store)
+    try:
+        for agent in ("edited", "renamed"):
+            for method, path in (("GET", f"/agents/{agent}"), ("POST", f"/agents/{agent}/recall")):
+                status, content = served.request(method, path, {"queries": [[1]]})
+                assert status == 409 and "damaged" in content["error"], (agent, path, content)
+        assert served.request("GET", "/agents/legacy")[1]["tokens"] == 8
+        assert served.request("GET", "/agents/fine")[1]["tokens"] == 8
+    finally:
+        served.kill(signal.SIGTERM)
+    with sqlite3.connect(store) as db:
+        assert (
+            db.execute("SELECT digest FROM agents WHERE id = 'legacy'")
+            .fetchone()[0]
+            .startswith("sha256-row:")
+        )
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (root,) = db.execute(
+            "SELECT rootpage FROM sqlite_schema WHERE name = 'sqlite_autoindex_agents_1'"
+        ).fetchone()
+        (page,) = db.execute("PRAGMA page_size").fetchone()
+    with open(store, "r+b") as file:  # the index of agent ids: a damaged page
+        file.seek((root - 1) * page)
+        file.write(b"\xff" * page)
+    served = Server(workdir, store)
+    try:
+        for method, path in (
+            ("GET", "/health"),
+            ("GET", "/agents/fine"),
+            ("POST", "/agents/fine/observe"),
+        ):
+            status, content = served.request(method, path, {"tokens": tokens(16)})
+            assert status == 503 and "store is damaged" in content["error"], (path, content)
+            assert_error_shape(content)
+    finally:
+        served.kill(signal.SIGTERM)

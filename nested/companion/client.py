@@ -3,8 +3,10 @@
 :class:`Client` speaks the endpoints of :mod:`nested.companion.server` with the standard
 library only (``urllib``): ``observe``, ``recall``, ``consolidate``, ``tokens``, ``forget``,
 ``export``, ``import_``, ``health``; :meth:`Client.request` returns ``(status, body)`` for any call.
-:class:`ServerProcess` starts ``experiments/serve.py`` on loopback with a free port and waits
-until it answers (the tests and ``benchmarks/companion_load.py`` use it).
+It never follows a redirect (the server sends none; one that did could send a request meant for
+one agent to another): a 3xx is returned as it came. :class:`ServerProcess` starts
+``experiments/serve.py`` on loopback with a free port and waits until it answers (the tests
+and ``benchmarks/companion_load.py`` use it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from typing import Any
 SERVE = Path(__file__).resolve().parents[2] / "experiments" / "serve.py"
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # urllib then raises the 3xx as an HTTPError: returned by Client.request
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 class Client:
     """Requests to the server at ``base`` (``http://host:port``), with a bearer ``api_key``."""
 
@@ -39,7 +49,7 @@ class Client:
             headers["authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base + path, data, headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _OPENER.open(request, timeout=self.timeout) as response:
                 status, content = response.status, response.read()
         except urllib.error.HTTPError as error:
             status, content = error.code, error.read()
@@ -90,7 +100,10 @@ def free_port() -> int:
 
 class ServerProcess:
     """``experiments/serve.py --workdir workdir --store store`` on ``127.0.0.1`` and a free
-    port, started and waited for (``timeout`` seconds); ``client`` talks to it."""
+    port, started and waited for (``timeout`` seconds) until ``/health`` answers (any status:
+    a damaged store answers 503); ``client`` talks to it, ``started`` is the line the server
+    printed when it began serving (how long warming took). ``warm_s``: the server's
+    ``--warm_s`` (0 here: a test starts many servers and needs no warm buckets)."""
 
     def __init__(
         self,
@@ -99,6 +112,7 @@ class ServerProcess:
         *,
         api_key_file: str | Path | None = None,
         max_batch: int = 256,
+        warm_s: float = 0.0,
         timeout: float = 180.0,
     ):
         self.port, self.store = free_port(), Path(store)
@@ -109,6 +123,7 @@ class ServerProcess:
             f"--store={store}",
             f"--port={self.port}",
             f"--max_batch={max_batch}",
+            f"--warm_s={warm_s}",
         ]
         if api_key_file is not None:
             command.append(f"--api_key_file={api_key_file}")
@@ -122,10 +137,14 @@ class ServerProcess:
                     f"the server exited: {self.process.stderr.read().decode()[-2000:]}"
                 )
             try:
-                if self.client.request("GET", "/health")[0] == 200:
-                    return
+                self.client.request("GET", "/health")
             except OSError:
                 time.sleep(0.2)
+                continue
+            for line in self.process.stdout:  # printed before it listened: notes, then this
+                self.started = line.decode().strip()
+                if self.started.startswith("serving "):
+                    return
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"the server did not answer /health within {timeout} s")
 

@@ -15,6 +15,13 @@ of that model (a few kilobytes), kept in a :mod:`~nested.companion.store`. Opera
   blocks) apply what they accumulated now;
 * ``forget``, ``export_agent`` / ``import_agent`` (flax msgpack with the model's fingerprint).
 
+Only finite states are served. An import is checked in full before anything is written: the
+file's structure, every array's shape and dtype equal to the model's, finite values, a token
+count that is an ``int`` in ``[0, 2**63)`` (SQLite's range); anything else is a 422 naming what
+is wrong. An observe whose update would leave an agent's state non-finite (or a recall whose
+answer would be) is refused for that agent (409), its stored state kept as it was; a stored
+state that is not finite (written before these checks) is refused like a damaged one.
+
 Requests from many agents run as **one jitted call**: their states are gathered into a slab
 (rows = agents), updated and scattered back. Sizes are bucketed so that a call never compiles
 anew for each batch size or length: rows are padded to a power of two with fresh states (their
@@ -22,6 +29,9 @@ results discarded); an observe is cut into pieces whose lengths are powers of tw
 model's update period, run one after another (a stream cut at period boundaries continues
 exactly); queries are padded at the end to a power of two (a causal model's read at a query's
 last token does not see what follows).
+
+:meth:`Companion.warm` compiles every bucket size a request can make ahead of the first request
+(``experiments/serve.py --warm_s``), cheapest first within a time budget.
 
 Each stored state carries the fingerprint of the model that wrote it (architecture and
 slow-weights step). A state of another architecture is refused with :class:`CompanionError`
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +66,7 @@ AGENT_ID = "letters, digits, '_' and '-', 1 to 128 characters"
 MAX_TOKENS = 8192  # tokens per observe request
 MAX_QUERIES = 256  # queries per recall request
 MAX_QUERY_TOKENS = 512
+MAX_STORED_TOKENS = 2**63 - 1  # tokens observed: SQLite's INTEGER is a signed 64-bit int
 
 
 class CompanionError(ValueError):
@@ -86,6 +98,51 @@ def _is_level_state(x) -> bool:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _finite(tree) -> bool:
+    """Whether every floating-point value of ``tree``'s arrays is finite."""
+    return all(
+        np.all(np.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact)
+    )
+
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {value.shape}"
+    return f"{type(value).__name__} {value!r:.40}"
+
+
+def _check_like(value, template, where: str) -> None:
+    """Raise :class:`CompanionError` naming ``where`` unless ``value`` (a restored state dict)
+    has the structure, shapes and dtypes of ``template`` (the model's) and finite values."""
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise CompanionError(f"import: {where}: expected a mapping, got {_describe(value)}")
+        missing, extra = sorted(set(template) - set(value)), sorted(set(value) - set(template))
+        if missing or extra:
+            raise CompanionError(
+                f"import: {where}: the keys differ from this model's state (missing "
+                f"{missing[:5]!r:.100}, unexpected {extra[:5]!r:.100})"
+            )
+        for key in template:
+            _check_like(value[key], template[key], f"{where}.{key}")
+    elif template is None:
+        if value is not None:
+            raise CompanionError(f"import: {where}: expected nothing, got {_describe(value)}")
+    elif (
+        not isinstance(value, np.ndarray)
+        or value.shape != template.shape
+        or value.dtype != template.dtype
+    ):
+        raise CompanionError(
+            f"import: {where}: expected a {template.dtype} array of shape {template.shape}, "
+            f"got {_describe(value)}"
+        )
+    elif not _finite(value):
+        raise CompanionError(f"import: {where}: has values that are not finite (NaN or inf)")
 
 
 class _Readout:
@@ -212,7 +269,14 @@ class Companion:
 
     def _decode(self, agent_id: str, record: Record):
         self.check_writer(record.fingerprint, f"agent {agent_id!r}: its stored state")
-        return serialization.from_bytes(self.template, record.state)
+        state = serialization.from_bytes(self.template, record.state)
+        if not _finite(state):
+            raise CompanionError(
+                f"agent {agent_id!r}: its stored state is not finite (NaN or inf); forget the "
+                f"agent or import a state exported before",
+                status=409,
+            )
+        return state
 
     def states(self, ids: Sequence[str]) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
         """``(state per agent, tokens observed per agent, error per agent)`` for ``ids``:
@@ -261,6 +325,39 @@ class Companion:
         """Rows stacked and padded with fresh states to a power of two."""
         rows = states + [self.template] * (_pow2(len(states)) - len(states))
         return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+
+    def buckets(self) -> list[tuple[str, int, int]]:
+        """Every ``(kind, rows, length)`` a request can make the jitted calls run, cheapest
+        first: rows a power of two up to the one ``max_batch`` pads to; observe pieces of
+        ``period * 2^j`` tokens up to :data:`MAX_TOKENS`, recall lengths the powers of two up
+        to :data:`MAX_QUERY_TOKENS` rounded up to a multiple of ``period``."""
+        rows = sorted({_pow2(n) for n in range(1, self.max_batch + 1)})
+        observe = [self.period << j for j in range(MAX_TOKENS.bit_length())]
+        observe = [n for n in observe if n <= MAX_TOKENS]
+        recall = {-(-_pow2(n) // self.period) * self.period for n in range(1, MAX_QUERY_TOKENS + 1)}
+        sizes = [("observe", r, n) for r in rows for n in observe]
+        sizes += [("recall", r, n) for r in rows for n in sorted(recall)]
+        return sorted(sizes, key=lambda size: (size[1] * size[2], size[0]))
+
+    def warm(self, budget_s: float) -> tuple[int, int, float]:
+        """Compile and run once (on fresh states, nothing stored) the bucket sizes of
+        :meth:`buckets`, cheapest first, until ``budget_s`` seconds have passed (the last may
+        overrun by one compile), so that requests of those sizes never wait for a compile.
+        Returns ``(sizes warmed, sizes in all, seconds)``."""
+        sizes, began, done = self.buckets(), time.perf_counter(), 0
+        for kind, rows, length in sizes:
+            if time.perf_counter() - began >= budget_s:
+                break
+            slab = self._slab([self.template] * rows)
+            tokens = np.zeros((rows, length), np.int32)
+            if kind == "observe":
+                mask = np.zeros((rows, length), np.float32)
+                jax.block_until_ready(self._observe(self.params, slab, tokens, tokens, mask))
+            else:
+                last = np.zeros((rows,), np.int32)
+                jax.block_until_ready(self._recall(self.params, slab, tokens, last))
+            done += 1
+        return done, len(sizes), time.perf_counter() - began
 
     # -- the operations ----------------------------------------------------------------------
 
@@ -326,8 +423,16 @@ class Companion:
         records = {}
         for a, state in states.items():
             total = tokens[a] + len(requests[a])
-            records[a] = Record(serialization.to_bytes(state), self.fingerprint, total)
-            out[a] = {"tokens": total}
+            if not _finite(state):
+                out[a] = {
+                    "error": f"agent {a!r}: this observe would leave its state non-finite (NaN "
+                    f"or inf); refused, the stored state is kept as it was"
+                }
+            elif total > MAX_STORED_TOKENS:
+                out[a] = {"error": f"agent {a!r}: more than {MAX_STORED_TOKENS} tokens observed"}
+            else:
+                records[a] = Record(serialization.to_bytes(state), self.fingerprint, total)
+                out[a] = {"tokens": total}
         if records:
             self.store.put_many(records)
         return out
@@ -381,7 +486,12 @@ class Companion:
         start = 0
         for a in states:  # the rows are grouped by agent, in this order
             mine, start = results[start : start + len(checked[a])], start + len(checked[a])
-            out[a] = {key: [r[key] for r in mine] for key in ("tokens", "probs", "readout")}
+            if not all(_finite((r["probs"], r["readout"])) for r in mine):
+                out[a] = {"error": f"agent {a!r}: the model's answer from its state is not finite"}
+                continue
+            out[a] = {
+                key: [r[key].tolist() for r in mine] for key in ("tokens", "probs", "readout")
+            }
         return out
 
     def _recall_rows(self, rows, states) -> list[dict]:
@@ -395,8 +505,7 @@ class Companion:
         slab = self._slab([states[a] for a, _ in rows])
         ids, probs, reads = jax.device_get(self._recall(self.params, slab, tokens, last))
         return [
-            {"tokens": ids[i].tolist(), "probs": probs[i].tolist(), "readout": reads[i].tolist()}
-            for i in range(len(rows))
+            {"tokens": ids[i], "probs": probs[i], "readout": reads[i]} for i in range(len(rows))
         ]
 
     def consolidate(self, agent_ids: Sequence[str]) -> dict[str, dict]:
@@ -467,25 +576,36 @@ class Companion:
     def import_agent(self, agent_id: str, data: bytes) -> int:
         """Store a state exported by :meth:`export_agent` as ``agent_id``'s, keeping the
         fingerprint of the model that wrote it (refused as :meth:`check_writer` says);
-        returns its tokens observed."""
+        returns its tokens observed. Everything the file carries is checked first (module
+        docstring); a file that fails is refused with :class:`CompanionError` naming what is
+        wrong, and nothing is written."""
         check_agent_id(agent_id)
         try:
             content = serialization.msgpack_restore(data)
-            fingerprint, tokens = content["fingerprint"], int(content["tokens"])
-            state = serialization.from_state_dict(self.template, content["state"])
         except Exception as error:  # noqa: BLE001 - any malformed file is the caller's
             raise CompanionError(f"import: not a companion state file ({error!r:.200})") from error
+        if not isinstance(content, dict) or {"fingerprint", "tokens", "state"} - set(content):
+            raise CompanionError(
+                "import: not a companion state file (expected a mapping with 'fingerprint', "
+                "'tokens' and 'state', as export writes)"
+            )
+        fingerprint, tokens = content["fingerprint"], content["tokens"]
+        if not isinstance(fingerprint, str):
+            raise CompanionError(
+                f"import: fingerprint: expected a string, got {_describe(fingerprint)}"
+            )
+        if type(tokens) is not int or not 0 <= tokens <= MAX_STORED_TOKENS:
+            raise CompanionError(
+                f"import: tokens: expected an integer in [0, {MAX_STORED_TOKENS}], got "
+                f"{_describe(tokens)}"
+            )
         try:
-            self.check_writer(str(fingerprint), "import: the state")
+            self.check_writer(fingerprint, "import: the state")
         except CompanionError as error:
             raise CompanionError(str(error)) from None  # a bad request, not a conflict
-        same = jax.tree.map(
-            lambda a, b: a.shape == b.shape and a.dtype == b.dtype, state, self.template
-        )
-        if not all(jax.tree.leaves(same)):
-            raise CompanionError("import: the state's arrays do not fit this model's")
-        record = Record(serialization.to_bytes(state), str(fingerprint), tokens)
-        self.store.put_many({agent_id: record})
+        _check_like(content["state"], serialization.to_state_dict(self.template), "state")
+        state = serialization.from_state_dict(self.template, content["state"])
+        self.store.put_many({agent_id: Record(serialization.to_bytes(state), fingerprint, tokens)})
         return tokens
 
 

@@ -10,15 +10,33 @@ OpenAPI docs at ``/docs``. Endpoints (JSON unless said otherwise):
 * ``GET /agents/{agent_id}``: tokens observed; ``DELETE /agents/{agent_id}``: forget;
 * ``GET /agents/{agent_id}/export`` (bytes) and ``PUT /agents/{agent_id}/import`` (bytes).
 
-Requests are queued and run by one worker thread: observes and recalls in **batches**
+Before any byte of a body is read, a pure ASGI gate (:class:`Gate`) refuses a request without
+the server's API key when it has one (401, ``Authorization: Bearer <key>``; only ``/health``
+and the docs are open), a path under ``/agents/`` whose agent id is not valid as sent or any
+path with percent-escapes (400: ``victim/``, ``victim%2F``, ``..%2Fb``, ``/%61gents/b``; there
+are no redirects), and a body announced over :data:`MAX_BODY` bytes (413). It then reads the
+body counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and
+refuses it (413) as soon as the count passes the limit. Limits: :data:`MAX_BODY` bytes a body,
+``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES`` queries of ``MAX_QUERY_TOKENS`` tokens a
+recall (:mod:`~nested.companion.engine`). Token ids are strict JSON integers (``1.0``, ``1e1``,
+``"1"`` and ``true`` are not).
+
+Model calls are queued and run by one worker thread: observes and recalls in **batches**
 (consecutive requests of one kind, each agent at most once per batch: one jitted call for many
-agents), every other request alone, so an agent's requests run in the order they arrived and
-never race with each other. A response is sent once its batch is committed to the store,
-so an acknowledged observe survives the process being killed. Bad input gets a 4xx with a
-one-line ``{"error": ...}`` and writes nothing: an invalid agent id (400), token ids outside
-the vocabulary or a malformed body (422), a body over the size limit (413), a missing or
-wrong API key when the server has one (401, ``Authorization: Bearer <key>``). An agent whose
-stored state is damaged or of another model gets 409; other agents are served as usual.
+agents), every other write (consolidate, forget, import) and export alone, so an agent's
+requests run in the order they arrived and never race with each other. A response is sent
+once its batch is committed to the store, so an acknowledged observe survives the process
+being killed. ``GET /health`` and ``GET /agents/{agent_id}`` need no model: they read the store
+directly (its WAL journal gives them the last committed state), never waiting behind a model
+call.
+
+Every error is one line of JSON, ``{"error": "..."}``, and writes nothing: an invalid agent id
+(400), a missing or wrong key (401), an unknown path (404) or method (405), a body over the
+limit (413), a body that is not JSON, token ids that are not integers in the vocabulary, an
+import that does not fit the model (422). An agent whose stored state is damaged, not finite
+or of another model, or whose observe would make its state non-finite, gets 409; other agents
+are served as usual. A damaged database file is a 503 saying so; anything unforeseen a 500
+(the cause in the server's log).
 """
 
 from __future__ import annotations
@@ -29,13 +47,16 @@ import concurrent.futures
 import contextlib
 import hmac
 import json
+import re
+import sqlite3
 import threading
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
+from starlette.exceptions import HTTPException
 
 from nested.companion.engine import (
     MAX_QUERIES,
@@ -48,14 +69,17 @@ from nested.companion.engine import (
 
 MAX_BODY = 1 << 20  # bytes of a request body
 ALONE = "alone"  # the kind of a queued request that runs by itself: its payload is a callable
+OPEN = {"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}  # no key needed
+# The agent id of a path under /agents/: what lies between the prefix and the action, if any.
+AGENT_PATH = re.compile(r"/agents/(?P<id>.*?)(?:/(?:observe|recall|consolidate|export|import))?")
 
 
 class Observation(BaseModel):
-    tokens: list[int] = Field(min_length=1, max_length=MAX_TOKENS, description="token ids")
+    tokens: list[StrictInt] = Field(min_length=1, max_length=MAX_TOKENS, description="token ids")
 
 
 class Queries(BaseModel):
-    queries: list[list[int]] = Field(
+    queries: list[list[StrictInt]] = Field(
         min_length=1, max_length=MAX_QUERIES, description="token-id prefixes to continue"
     )
 
@@ -121,16 +145,86 @@ class Batcher:
                 future.set_result(results[agent_id])
 
 
-class _Unauthorized(Exception):
-    """A request without the server's API key."""
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": " ".join(message.split())}, status_code=status, headers=headers)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": " ".join(message.split())}, status_code=status)
+class Gate:
+    """Pure ASGI middleware in front of the app: the key, the agent id and the body size are
+    checked before any byte of the body is read; the body is then read with a running count
+    and handed on whole (module docstring). ``api_key``: the bearer key, or ``None``."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is None:
+            body, refusal = await self._read(receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if body is None:  # the client went away mid-body
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _refusal(self, scope) -> JSONResponse | None:
+        headers = [(name.lower(), value) for name, value in scope["headers"]]
+        if self.expected is not None and scope["path"] not in OPEN:
+            given = [value for name, value in headers if name == b"authorization"]
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
+                return _error(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    {"www-authenticate": "Bearer"},
+                )
+        raw = (scope.get("raw_path") or scope["path"].encode()).split(b"?")[0].decode("latin-1")
+        match = AGENT_PATH.fullmatch(raw)
+        if match:
+            try:
+                check_agent_id(match["id"])
+            except CompanionError as error:
+                return _error(error.status, str(error))
+        if "%" in raw:  # e.g. /%61gents/victim: no path of this service needs an escape
+            return _error(400, f"path {raw!r:.60} has percent-escapes; no endpoint needs one")
+        for name, value in headers:
+            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
+                return _error(413, f"request body of {int(value)} bytes, over the limit {MAX_BODY}")
+        return None
+
+    async def _read(self, receive) -> tuple[bytes | None, JSONResponse | None]:
+        """``(body, None)``; ``(None, 413)`` once over the limit; ``(None, None)`` when the
+        client disconnected."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY:
+                return None, _error(413, f"request body over the limit {MAX_BODY} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
 
 
 def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``companion`` (a bearer ``api_key``: required)."""
+    """The FastAPI application serving ``companion`` (a bearer ``api_key``: required), behind
+    its :class:`Gate`."""
     batcher: Batcher | None = None
 
     @contextlib.asynccontextmanager
@@ -144,35 +238,48 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
         title="nested companion",
         description="One learning fast-weight memory per agent beside a frozen model.",
         lifespan=lifespan,
+        redirect_slashes=False,
     )
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            return _error(413, f"request body of {size} bytes, more than the limit {MAX_BODY}")
-        return await call_next(request)
+    app.add_middleware(Gate, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return _error(422, f"body: not valid JSON ({reason})")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(422, f"{where}: {first.get('msg', 'invalid request')}")
+
+    @app.exception_handler(HTTPException)
+    async def framework(request: Request, error: HTTPException):
+        if error.status_code == 400 and error.__cause__ is not None:  # the body did not parse
+            cause = error.__cause__
+            return _error(422, f"body: not valid JSON ({type(cause).__name__}: {cause!s:.200})")
+        if error.status_code == 404:
+            return _error(404, f"no endpoint {request.url.path!r:.100}; the endpoints are at /docs")
+        if error.status_code == 405:
+            message = f"{request.method} is not a method of {request.url.path!r:.100}"
+            return _error(405, message, error.headers)
+        return _error(error.status_code, str(error.detail), error.headers)
 
     @app.exception_handler(CompanionError)
     async def refused(request: Request, error: CompanionError):
         return _error(error.status, str(error))
 
-    def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise _Unauthorized()
+    @app.exception_handler(sqlite3.DatabaseError)
+    async def damaged(request: Request, error: sqlite3.DatabaseError):
+        return _error(
+            503,
+            f"the agents' store is damaged or unreadable (sqlite3: {error}); no agent can be "
+            f"served until it is restored from a backup or repaired",
+        )
 
-    @app.exception_handler(_Unauthorized)
-    async def unauthorized(request: Request, error: Exception):
-        return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+    @app.exception_handler(Exception)
+    async def unforeseen(request: Request, error: Exception):
+        return _error(
+            500, f"internal error ({type(error).__name__}); the cause is in the server's log"
+        )
 
     async def run(kind: str, agent_id: str, payload: Any):
         check_agent_id(agent_id)
@@ -186,10 +293,8 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
         check_agent_id(agent_id)
         return await asyncio.wrap_future(batcher.submit(ALONE, agent_id, call))
 
-    guard = [Depends(authorized)]
-
     @app.get("/health")
-    async def health():
+    def health():  # in a thread of the server's pool: the store is read directly
         return {
             "status": "ok",
             "agents": companion.store.count(),
@@ -197,40 +302,39 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
             "vocab": companion.vocab,
         }
 
-    @app.post("/agents/{agent_id}/observe", dependencies=guard)
+    @app.post("/agents/{agent_id}/observe")
     async def observe(agent_id: str, body: Observation):
         companion.check_tokens(body.tokens, "tokens", limit=MAX_TOKENS, multiple=companion.period)
         return await run("observe", agent_id, body.tokens)
 
-    @app.post("/agents/{agent_id}/recall", dependencies=guard)
+    @app.post("/agents/{agent_id}/recall")
     async def recall(agent_id: str, body: Queries):
         for i, query in enumerate(body.queries):
             companion.check_tokens(query, f"queries.{i}", limit=MAX_QUERY_TOKENS)
         return await run("recall", agent_id, body.queries)
 
-    @app.post("/agents/{agent_id}/consolidate", dependencies=guard)
+    @app.post("/agents/{agent_id}/consolidate")
     async def consolidate(agent_id: str):
         result = await alone(agent_id, lambda: companion.consolidate([agent_id])[agent_id])
         if "error" in result:
             return _error(409, result["error"])
         return {"agent_id": agent_id, **result}
 
-    @app.get("/agents/{agent_id}", dependencies=guard)
-    async def describe(agent_id: str):
-        tokens = await alone(agent_id, lambda: companion.tokens_observed(agent_id))
-        return {"agent_id": agent_id, "tokens": tokens}
+    @app.get("/agents/{agent_id}")
+    def describe(agent_id: str):  # in a thread of the server's pool: the store read directly
+        return {"agent_id": agent_id, "tokens": companion.tokens_observed(agent_id)}
 
-    @app.delete("/agents/{agent_id}", dependencies=guard)
+    @app.delete("/agents/{agent_id}")
     async def forget(agent_id: str):
         forgotten = await alone(agent_id, lambda: companion.forget(agent_id))
         return {"agent_id": agent_id, "forgotten": forgotten}
 
-    @app.get("/agents/{agent_id}/export", dependencies=guard)
+    @app.get("/agents/{agent_id}/export")
     async def export(agent_id: str):
         data = await alone(agent_id, lambda: companion.export_agent(agent_id))
         return Response(data, media_type="application/octet-stream")
 
-    @app.put("/agents/{agent_id}/import", dependencies=guard)
+    @app.put("/agents/{agent_id}/import")
     async def import_(agent_id: str, request: Request):
         data = await request.body()
         tokens = await alone(agent_id, lambda: companion.import_agent(agent_id, data))

@@ -1,10 +1,17 @@
 """Where the companion keeps each agent's fast state: a small interface and its SQLite backend.
 
-A store maps agent ids to :class:`Record` s: the serialized fast state (bytes), its SHA-256
-digest, the fingerprint of the model that wrote it and the number of tokens the agent has
-observed. :meth:`Store.put_many` writes a batch of agents in one transaction (all of them or
-none), so an acknowledged observe is on disk and none is half-applied. Reading a record whose
-bytes no longer match their digest raises :class:`DamagedState` for that agent only.
+A store maps agent ids to :class:`Record` s: the serialized fast state (bytes), the
+fingerprint of the model that wrote it and the number of tokens the agent has observed, with
+one SHA-256 digest over all three (:func:`row_digest`). :meth:`Store.put_many` writes a batch
+of agents in one transaction (all of them or none), so an acknowledged observe is on disk and
+none is half-applied. Reading a record whose columns no longer match their digest (any of them
+edited or damaged) gives :class:`DamagedState` for that agent only.
+
+Rows written before the digest covered every column (their ``digest`` the bare SHA-256 of the
+state bytes) are upgraded when a :class:`SQLiteStore` opens the file: a row whose state still
+matches its old digest gets the new digest, in one transaction; one that does not is left as
+it is, and so refused as damaged. After the upgrade only the new digest is accepted, so an
+edit of any column made later is caught.
 
 :class:`SQLiteStore` uses the standard library's ``sqlite3``: WAL journal, ``synchronous=FULL``
 (a commit survives the process being killed, and power loss), one connection per thread. Agent
@@ -22,6 +29,7 @@ the engine's batcher (:mod:`nested.companion.server`).
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 import threading
 import time
@@ -33,7 +41,7 @@ from nested.run.locks import Lock
 
 
 class DamagedState(RuntimeError):
-    """A stored state whose bytes do not match their digest; the message names the agent."""
+    """A stored row that does not match its digest; the message names the agent."""
 
 
 class Record(NamedTuple):
@@ -45,8 +53,14 @@ class Record(NamedTuple):
     tokens: int
 
 
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+DIGEST = "sha256-row:"  # how a digest over the whole row begins (a state-only one is bare hex)
+
+
+def row_digest(state: bytes, fingerprint: str, tokens: int) -> str:
+    """The digest of a row's served columns: its fingerprint and tokens (as JSON: unambiguous)
+    and its state bytes."""
+    head = json.dumps([fingerprint, tokens]).encode() + b"\n"
+    return DIGEST + hashlib.sha256(head + state).hexdigest()
 
 
 class Store(Protocol):
@@ -87,8 +101,31 @@ class SQLiteStore:
             "stop it first, or pass another --store",
         )
         self._local = threading.local()
-        with self._connection() as db:
-            db.execute(self.SCHEMA)
+        db = self._connection()
+        db.execute(self.SCHEMA)
+        self._upgrade(db)
+
+    def _upgrade(self, db: sqlite3.Connection) -> None:
+        """Give rows with a state-only digest that still matches the digest of the whole row
+        (module docstring)."""
+        old = db.execute(
+            "SELECT id, state, digest, fingerprint, tokens FROM agents WHERE digest NOT LIKE ?",
+            (DIGEST + "%",),
+        ).fetchall()
+        rows = [
+            (row_digest(state, fingerprint, tokens), agent_id)
+            for agent_id, state, stored, fingerprint, tokens in old
+            if _columns_ok(state, fingerprint, tokens)
+            and hashlib.sha256(state).hexdigest() == stored
+        ]
+        if rows:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("UPDATE agents SET digest = ? WHERE id = ?", rows)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
 
     def _connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -110,19 +147,21 @@ class SQLiteStore:
         )
         out: dict[str, Record | DamagedState] = {}
         for agent_id, state, stored, fingerprint, tokens in rows:
-            if not isinstance(state, bytes) or digest(state) != stored:
-                out[agent_id] = DamagedState(
-                    f"agent {agent_id!r}: its stored state is damaged (its bytes do not match "
-                    f"their digest); forget the agent or import a state exported before"
-                )
+            if _columns_ok(state, fingerprint, tokens) and stored == row_digest(
+                state, fingerprint, tokens
+            ):
+                out[agent_id] = Record(state, fingerprint, tokens)
             else:
-                out[agent_id] = Record(state, fingerprint, int(tokens))
+                out[agent_id] = DamagedState(
+                    f"agent {agent_id!r}: its stored state is damaged (its row does not match "
+                    f"its digest); forget the agent or import a state exported before"
+                )
         return out
 
     def put_many(self, records: Mapping[str, Record]) -> None:
         db, now = self._connection(), time.time()
         rows = [
-            (agent_id, r.state, digest(r.state), r.fingerprint, r.tokens, now)
+            (agent_id, r.state, row_digest(*r), r.fingerprint, r.tokens, now)
             for agent_id, r in records.items()
         ]
         db.execute("BEGIN IMMEDIATE")
@@ -159,3 +198,8 @@ class SQLiteStore:
             db.close()
             self._local.db = None
         self._lock.release()
+
+
+def _columns_ok(state, fingerprint, tokens) -> bool:
+    """Whether a row's columns have the types a :class:`Record` has (an edit may change them)."""
+    return isinstance(state, bytes) and isinstance(fingerprint, str) and type(tokens) is int
