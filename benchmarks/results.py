@@ -57,7 +57,11 @@ flags.DEFINE_list(
     None,
     "Rewrite only these sections of --out (plasticity, companion), keeping the rest of the page.",
 )
-SECTIONS = {"plasticity": "Functional plasticity", "companion": "Agent companion"}
+SECTIONS = {
+    "plasticity": "Functional plasticity",
+    "companion": "Agent companion",
+    "lm": "Language modelling on real text",
+}
 
 
 class Row(NamedTuple):
@@ -154,6 +158,9 @@ def rows(widths: Sequence[int]) -> list[Row]:
         config = f"configs/mqar.py:{rule}"
         out.append(Row(f"plasticity/{rule}", config, after=(PLASTICITY, "--protocols=alignment")))
     out.append(Row("companion/delta", "configs/companion.py", after=(COMPANION_STUDY,)))
+    for model in LM_MODELS:
+        overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS))
+        out.append(Row(f"lm/{model}", f"configs/lm.py:{model}-small", overrides, after=(EVAL_LM,)))
     return out
 
 
@@ -163,6 +170,34 @@ PLASTICITY, COMPANION_STUDY = "experiments/plasticity.py", "experiments/companio
 PLASTICITY_MODELS = ("one_level", "two_level", "hope")
 PLASTICITY_FLAGS = ("--sessions=4", "--session_length=2", "--cycles=3")
 ALIGNMENT_RULES = ("ttt_linear", "ttt_mlp")  # TTT-style levels, at initialisation and trained
+
+# Language modelling on real text: the Python documentation's reStructuredText sources
+# (Debian's python3-doc: `apt-get install python3-doc`), a BPE of 8192 trained on them, the
+# `small` size of configs/lm.py (about 7.4M parameters, equal within 10%) trained on the
+# same tokens (LM_STEPS x 16 x 256), then experiments/eval_lm.py.
+EVAL_LM = "experiments/eval_lm.py"
+LM_MODELS = ("transformer", "deltanet", "gated_deltanet", "titans", "hope")
+LM_CORPUS = "data/python_docs"
+LM_SOURCE = "/usr/share/doc/python3/html/_sources"
+LM_PREPARE = (
+    "python",
+    "experiments/prepare.py",
+    f"--input={LM_SOURCE}",
+    f"--out={LM_CORPUS}",
+    "--tokenizer=bpe",
+    "--vocab_size=8192",
+    "--val_fraction=0.05",
+)
+LM_STEPS = 600
+
+
+def prepare_lm_corpus() -> None:
+    """Prepare the real-text corpus the ``lm/`` rows train on, unless it is there."""
+    if (ROOT / LM_CORPUS / "index.json").exists():
+        return
+    if not Path(LM_SOURCE).is_dir():
+        sys.exit(f"error: {LM_SOURCE} is missing: apt-get install python3-doc")
+    subprocess.run([sys.executable, *LM_PREPARE[1:]], cwd=ROOT, check=True)
 
 
 def command(row: Row, workdir: Path) -> list[str]:
@@ -552,6 +587,120 @@ def companion_section(results, workdir: Path) -> list[str]:
     return out
 
 
+LM_CURVES = "benchmarks/figures/lm_real_text.png"  # committed beside RESULTS.md
+
+
+def lm_section(results, workdir: Path) -> list[str]:
+    """The "Language modelling on real text" section's lines (``eval_lm.json`` of the ``lm/``
+    rows) and the plot of their training and validation losses (:data:`LM_CURVES`)."""
+    entries = {k: v for k, v in results.items() if k.startswith("lm/")}
+    evals = {}
+    for row_id in entries:
+        path = workdir / row_id / "eval_lm.json"
+        evals[row_id] = json.loads(path.read_text()) if path.exists() else None
+    shown = next((e for e in evals.values() if e), None)
+    buckets = [] if shown is None else _lm_buckets(shown["position"])
+    head = ["model", "params", "tokens", "wall", "val loss", "perplexity", "bits/byte"]
+    head += [f"ppl {lo}-{hi - 1}" for lo, hi in buckets] + ["command"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row_id, (record, _) in entries.items():
+        result = evals[row_id]
+        failed = _failed(record, result)
+        model = row_id.split("/", 1)[1]
+        if failed:
+            lines.append(f"| {model} | {failed} |" + " |" * (len(head) - 2))
+            continue
+        params = _logged_parameters(workdir / row_id)
+        val, position = result["val"], result["position"]
+        cells = [
+            model,
+            "—" if params is None else f"{params / 1e6:.2f}M",
+            f"{LM_STEPS * 16 * 256 / 1e6:.2f}M",
+            _wall(record),
+            f"{val['nll']:.3f}",
+            f"{val['perplexity']:.1f}",
+            f"{val['bits_per_byte']:.3f}",
+            *(f"{_lm_bucket_ppl(position, lo, hi):.1f}" for lo, hi in buckets),
+            _commands(record),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    plot = _lm_curves(entries)
+    out = [
+        "## Language modelling on real text",
+        "",
+        "The Python 3.11 documentation's reStructuredText sources (Debian's `python3-doc`, "
+        "written by the CPython documentation authors: 497 files, 11 MB), tokenized by "
+        f"`{' '.join(LM_PREPARE)}` (a byte-level BPE of 8192 trained on the corpus; 5% of the "
+        "files held out by hash). Each model is `configs/lm.py`'s `small` size (4 blocks of "
+        "width 256, parameters within 10% of the Transformer++'s), trained on the same "
+        f"{LM_STEPS} batches of 16 x 256 tokens in the same order, then scored by "
+        "`experiments/eval_lm.py` on every held-out token: loss (nats per token), perplexity, "
+        "bits per byte (comparable across tokenizers), and perplexity by position in windows "
+        "of 1024 from a fresh state: positions past 255 are beyond the trained length.",
+        "",
+        *lines,
+        "",
+    ]
+    if plot:
+        out += [f"![training and held-out loss by training tokens]({LM_CURVES})", ""]
+    return out
+
+
+def _logged_parameters(workdir: Path) -> int | None:
+    """The slow-parameter count the training run logged (``model: N slow parameters``)."""
+    path = workdir / "train.stderr.txt"
+    found = re.search(r"model: (\d+) slow parameters", path.read_text()) if path.exists() else None
+    return None if found is None else int(found.group(1))
+
+
+def _lm_buckets(position: dict) -> list[tuple[int, int]]:
+    """Position ranges of the table: the trained length in halves, then each further length."""
+    t, end = position["trained_len"], position["max_len"]
+    return [(0, t // 2), (t // 2, t), *((lo, lo + t) for lo in range(t, end, t))]
+
+
+def _lm_bucket_ppl(position: dict, lo: int, hi: int) -> float:
+    return float(np.exp(np.mean(position["nll"][lo:hi])))
+
+
+def _lm_curves(entries) -> str | None:
+    """Plot every ``lm/`` row's training loss (points: held-out loss) against tokens."""
+    if not entries:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row_id, (_, records) in entries.items():
+        train_records = [r for r in records if r["split"] == metrics.TRAIN]
+        held = [r for r in records if r["split"] == "val" and "loss" in r]
+        tokens = 16 * 256
+        (line,) = ax.plot(
+            [r["step"] * tokens / 1e6 for r in train_records],
+            [r["loss"] for r in train_records],
+            label=row_id.split("/", 1)[1],
+        )
+        ax.plot(
+            [r["step"] * tokens / 1e6 for r in held],
+            [r["loss"] for r in held],
+            "o",
+            color=line.get_color(),
+        )
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title("Python documentation, BPE 8192: train (lines), held-out (points)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = ROOT / LM_CURVES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def markdown(results, workdir: Path, row_notes: dict[str, str], observations: str = "") -> str:
     """The results page; ``observations`` (a hand-written ``## Observations`` section, kept
     from the previous page) goes after the introduction."""
@@ -614,6 +763,7 @@ def markdown(results, workdir: Path, row_notes: dict[str, str], observations: st
         "",
         *plasticity_section(results, workdir),
         *companion_section(results, workdir),
+        *lm_section(results, workdir),
     ]
     return "\n".join(out)
 
@@ -623,6 +773,8 @@ def main(argv):
     workdir = Path(FLAGS.workdir)
     table = rows([int(w) for w in FLAGS.widths])
     chosen = [r for r in table if FLAGS.only is None or re.search(FLAGS.only, r.id)]
+    if not FLAGS.dry_run and any(r.id.startswith("lm/") for r in chosen):
+        prepare_lm_corpus()
     for i, row in enumerate(chosen, 1):
         directory = workdir / row.id
         if FLAGS.dry_run:
@@ -650,7 +802,11 @@ def main(argv):
     if FLAGS.sections:
         text = previous
         for name in FLAGS.sections:
-            build = {"plasticity": plasticity_section, "companion": companion_section}[name]
+            build = {
+                "plasticity": plasticity_section,
+                "companion": companion_section,
+                "lm": lm_section,
+            }[name]
             section = "\n".join(build(results, base)).strip() + "\n\n"
             title = re.escape(SECTIONS[name])
             pattern = re.compile(rf"^## {title}\n.*?(?=^## |\Z)", re.M | re.S)

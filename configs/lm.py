@@ -4,7 +4,8 @@ Paper-size language models on a prepared token corpus (task ``tokens``: the fold
 ``experiments/prepare.py`` wrote; ``--config.task.path`` is required, the run stops with a
 one-line error at once without it). The variant is ``<model>-<size>`` with a model
 of :data:`MODELS` and a size of :data:`SIZES` (``125m``, ``340m``, ``760m``, ``1.3b``, and
-``tiny``: a few hundred thousand parameters on a byte vocabulary, for tests). Paper sizes use a
+``tiny``: a few hundred thousand parameters on a byte vocabulary, for tests; ``small``: 4 x 256
+on a BPE of 8192, for studies on one CPU machine, :data:`CPU`). Paper sizes use a
 32000-token vocabulary (the Llama-2 / Mistral tokenizers of the papers; the task checks that it
 is not smaller than the corpus tokenizer's), bfloat16 compute (``train.dtype``; parameters and
 fast states stay float32) and a batch of 0.5M tokens (2^19: 256 x 2048 or 128 x 4096).
@@ -140,6 +141,7 @@ NOMINAL = {"125m": 125e6, "340m": 340e6, "760m": 760e6, "1.3b": 1.3e9}  # parame
 # The backbone of each size (TTT's): layers x dim, attention heads, SwiGLU width.
 SIZES = {
     "tiny": dict(layers=2, dim=128, heads=4, mlp_hidden=344),
+    "small": dict(layers=4, dim=256, heads=4, mlp_hidden=688),
     "125m": dict(layers=12, dim=768, heads=12, mlp_hidden=2048),
     "340m": dict(layers=24, dim=1024, heads=16, mlp_hidden=2736),
     "760m": dict(layers=24, dim=1536, heads=16, mlp_hidden=4096),
@@ -173,10 +175,15 @@ GDN = dict(
     warmup_tokens=1e9,
 )
 TITANS = GDN  # Titans, ATLAS and Hope report the Gated DeltaNet setup
-TINY = dict(seq_len=64, vocab=257, batch_size=8, steps=200, lr=3e-3, warmup=20, window=32)
+# The CPU sizes: ``tiny`` for tests (the bytes tokenizer), ``small`` for studies on one
+# machine (RESULTS.md, "Language modelling on real text": a BPE of 8192); float32 compute.
+CPU = {
+    "tiny": dict(seq_len=64, vocab=257, batch_size=8, steps=200, lr=3e-3, warmup=20, window=32),
+    "small": dict(seq_len=256, vocab=8192, batch_size=16, steps=600, lr=3e-3, warmup=60, window=64),
+}
 
 WINDOW = 512  # Titans MAC segment, MAG / MAL attention window
-CMS_PERIODS = {"tiny": (16, 32, 64), "paper": (16, 64, 256)}  # Hope, fastest first
+CMS_PERIODS = {"tiny": (16, 32, 64), "paper": (16, 64, 256)}  # Hope, fastest first (small: paper)
 MEMORY = {"memory": dict(rule="titans", every=CHUNK)}
 
 MODELS = {
@@ -200,7 +207,7 @@ MODELS = {
 
 # Backbones matched to the Transformer++ parameter count (module docstring): the SwiGLU width
 # (a multiple of 64) or, for the hybrids, two thirds of the layers (and, for MAC, the width).
-_HYBRID_LAYERS = {"125m": 8, "340m": 16, "760m": 16, "1.3b": 16}
+_HYBRID_LAYERS = {"125m": 8, "340m": 16, "760m": 16, "1.3b": 16, "small": 3}
 ADJUSTED = {
     **{
         (model, size): dict(mlp_hidden=width)
@@ -219,9 +226,21 @@ ADJUSTED = {
         for model in ("titans_mag", "titans_mal")
         for size, layers in _HYBRID_LAYERS.items()
     },
+    # small (CPU studies): the memory mixers' gates and projections, matched the same way
+    **{
+        (model, "small"): dict(mlp_hidden=width)
+        for model, width in {
+            "gated_deltanet": 640,
+            "ttt_linear": 640,
+            "ttt_mlp": 576,
+            "titans": 512,
+            "atlas": 512,
+            "hope": 512,
+        }.items()
+    },
     **{  # MAC's retrieval queries and persistent tokens need a narrower MLP too
         ("titans_mac", size): dict(layers=_HYBRID_LAYERS[size], mlp_hidden=width)
-        for size, width in zip(PAPER_SIZES, (1856, 2560, 3840, 5312), strict=True)
+        for size, width in zip((*PAPER_SIZES, "small"), (1856, 2560, 3840, 5312, 576), strict=True)
     },
 }
 VARIANTS = tuple(f"{model}-{size}" for model in MODELS for size in SIZES)
@@ -263,21 +282,22 @@ def get_config(arg=None):
             f"sizes {list(SIZES)}"
         )
     name, _, size = variant.rpartition("-")
-    spec, tiny = MODELS[name], size == "tiny"
+    spec, cpu = MODELS[name], CPU.get(size)
+    on_cpu = cpu is not None
     backbone = {**SIZES[size], **ADJUSTED.get((name, size), {})}
-    if not tiny:
+    if not on_cpu:
         backbone["heads"] = spec.get("heads", {}).get(size, backbone["heads"])
     model, levels = dict(spec.get("model", {})), spec.get("levels", {})
     if spec.get("hope"):
-        model, levels = _hope(backbone["mlp_hidden"], CMS_PERIODS["tiny" if tiny else "paper"])
-    if tiny and model.get("window"):
-        model["window"] = TINY["window"]
-    seq_len = TINY["seq_len"] if tiny else spec["setup"]["seq_len"]
+        model, levels = _hope(backbone["mlp_hidden"], CMS_PERIODS.get(size, CMS_PERIODS["paper"]))
+    if on_cpu and model.get("window"):
+        model["window"] = cpu["window"]
+    seq_len = cpu["seq_len"] if on_cpu else spec["setup"]["seq_len"]
 
     config = config_dict.ConfigDict()
     config.seed = 0
     config.task = nc.task_config(
-        "tokens", seq_len=seq_len, vocab_size=TINY["vocab"] if tiny else VOCAB
+        "tokens", seq_len=seq_len, vocab_size=cpu["vocab"] if on_cpu else VOCAB
     )
     config.model = nc.model_config(
         "memory_lm", level="memory" if levels else None, **backbone, **model
@@ -285,29 +305,29 @@ def get_config(arg=None):
     config.levels = config_dict.ConfigDict(
         {level: nc.level_config(**fields) for level, fields in levels.items()}
     )
-    if tiny:
+    if on_cpu:
         schedule = dict(
-            steps=TINY["steps"],
-            learning_rate=TINY["lr"],
-            warmup_steps=TINY["warmup"],
+            steps=cpu["steps"],
+            learning_rate=cpu["lr"],
+            warmup_steps=cpu["warmup"],
             min_lr_ratio=0.1,
         )
-        weight_decay, batch_size = 0.1, TINY["batch_size"]
+        weight_decay, batch_size = 0.1, cpu["batch_size"]
     else:
         schedule = _schedule(spec["setup"], size)
         weight_decay, batch_size = spec["setup"]["weight_decay"], BATCH_TOKENS // seq_len
     steps = schedule.pop("steps")
     config.optimizer = nc.optimizer_config("adamw", weight_decay=weight_decay, b2=0.95, **schedule)
-    every = 10 if tiny else 100
+    every = 10 if on_cpu else 100
     config.train = nc.train_config(
         steps=steps,
         batch_size=batch_size,
         eval_batch_size=batch_size,
         log_every=every,
         eval_every=10 * every,
-        eval_batches=2 if tiny else 16,
+        eval_batches=2 if on_cpu else 16,
         checkpoint_every=10 * every,
-        dtype="float32" if tiny else "bfloat16",
+        dtype="float32" if on_cpu else "bfloat16",
     )
     config.plasticity = nc.plasticity_config()
     return config

@@ -72,6 +72,14 @@ def test_every_paper_size_is_within_10_percent_of_its_nominal_size():
     assert not far, f"more than 10% off the nominal size: {far}"
 
 
+def test_the_small_models_match_the_transformer_within_10_percent():
+    """The CPU study's size compares models of equal parameter count (RESULTS.md)."""
+    base = parameters(config("transformer-small"))
+    counts = {model: parameters(config(f"{model}-small")) for model in lm.MODELS}
+    far = {m: f"{100 * (n / base - 1):+.1f}%" for m, n in counts.items() if abs(n / base - 1) > 0.1}
+    assert not far and 7e6 < base < 8e6, far
+
+
 @pytest.mark.parametrize("variant", ["transformer-125m", "hope-125m"])
 def test_the_count_is_that_of_the_whole_model(variant):
     cfg = config(variant)

@@ -97,8 +97,12 @@ class TokensTask:
       eval_seq_len: T of ``val`` windows; None = ``seq_len``.
       tokenizer_sha256: when set, the SHA-256 of the ``tokenizer.json`` the shards must come
         from (the index's ``tokenizer.sha256``; ``bytes`` has none).
+      documents: give the batch its ``documents`` extra, so that every fast level restarts at
+        each document start inside a window (False: documents are packed and the state flows
+        across them, as ttt-lm-jax and most JAX trainers do; cheaper where a kernel lacks
+        document starts and the generic loop would run).
 
-    Extras: ``documents`` (B, T) int32, see :func:`document_ids`.
+    Extras: ``documents`` (B, T) int32 (with ``documents=True``), see :func:`document_ids`.
     """
 
     path: str | None = None
@@ -107,6 +111,7 @@ class TokensTask:
     seed: int = 0
     eval_seq_len: int | None = None
     tokenizer_sha256: str | None = None
+    documents: bool = True
 
     name: ClassVar[str] = "tokens"
     eval_splits: ClassVar[tuple[str, ...]] = ("val",)
@@ -120,6 +125,8 @@ class TokensTask:
                 raise field_error(self.name, field, value, "use a positive int")
         if self.eval_seq_len is not None and self.eval_seq_len < 1:
             raise field_error(self.name, "eval_seq_len", self.eval_seq_len, "use a positive int")
+        if not isinstance(self.documents, bool):
+            raise field_error(self.name, "documents", self.documents, "use True or False")
 
     def split_seq_len(self, split: str) -> int:
         """T of ``split``'s windows."""
@@ -224,7 +231,7 @@ class TokensTask:
         self, index: int, batch_size: int, *, split: str = "train", rows: slice | None = None
     ) -> Batch:
         """Batch ``index`` of ``split`` (B rows; of them only ``rows`` when given): inputs,
-        targets, mask (B, T), extras ``documents`` (B, T)."""
+        targets, mask (B, T), extras ``documents`` (B, T) (with ``documents=True``)."""
         check_request(self, index, batch_size, split)
         global_rows = range(index * batch_size, (index + 1) * batch_size)
         if rows is not None:
@@ -232,12 +239,8 @@ class TokensTask:
         t = self.split_seq_len(split)
         windows = np.stack([self.window(split, r) for r in global_rows]).reshape(-1, t + 1)
         inputs = windows[:, :-1]
-        return make_batch(
-            inputs,
-            windows[:, 1:],
-            np.ones(inputs.shape, np.float32),
-            documents=document_ids(inputs, self.eos_id),
-        )
+        extras = {"documents": document_ids(inputs, self.eos_id)} if self.documents else {}
+        return make_batch(inputs, windows[:, 1:], np.ones(inputs.shape, np.float32), **extras)
 
     def prefetch(
         self,

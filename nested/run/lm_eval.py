@@ -100,19 +100,27 @@ TASK_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # -- scoring ----------------------------------------------------------------------------------
 
 
-def make_score_fn(program: Program) -> Callable:
+def make_score_fn(program: Program, eos_id: int | None = None) -> Callable:
     """``(params, inputs, targets, mask, fast) -> (nll (B, T), fast)``, jitted.
 
     ``nll[b, t] = -log softmax(logits[b, t])[targets[b, t]]``, 0 where ``mask`` (B, T) is 0, of
     :meth:`Program.apply` over ``inputs`` (B, T) with ``targets`` and ``mask``; ``fast`` None
     starts from the learned initial states, a fast state continues it as a stream continues
-    (:meth:`Program.start_fast`: persist="sequence" levels restart). Returns the final fast state.
+    (:meth:`Program.start_fast`: persist="sequence" levels restart). With ``eos_id`` (a run
+    trained with the task's ``documents``) a new document starts after each EOS, as in
+    training (:func:`nested.data.tokens.document_ids`). Returns the final fast state.
     """
 
     def score(params, inputs, targets, mask, fast):
         if fast is not None:
             fast = program.start_fast(params, inputs.shape[0], fast)
-        logits, fast = program.apply(params, inputs, fast, targets=targets, mask=mask)
+        documents = None
+        if eos_id is not None:
+            after_eos = (inputs[:, :-1] == eos_id).astype(jnp.int32)
+            documents = jnp.pad(jnp.cumsum(after_eos, axis=1), ((0, 0), (1, 0)))
+        logits, fast = program.apply(
+            params, inputs, fast, targets=targets, mask=mask, documents=documents
+        )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
         return token_cross_entropy(logits, {"targets": targets, "mask": mask}), fast
 
@@ -504,7 +512,7 @@ def evaluate_lm(
 
     restored = train.restore_latest(exp, directory)
     trained = Trained(exp, restored.state, restored.step)
-    score = make_score_fn(exp.program)
+    score = make_score_fn(exp.program, task.eos_id if task.documents else None)
     result = {
         "workdir": str(workdir),
         "step": trained.step,
