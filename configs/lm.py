@@ -179,7 +179,7 @@ TITANS = GDN  # Titans, ATLAS and Hope report the Gated DeltaNet setup
 # machine (RESULTS.md, "Language modelling on real text": a BPE of 8192); float32 compute.
 CPU = {
     "tiny": dict(seq_len=64, vocab=257, batch_size=8, steps=200, lr=3e-3, warmup=20, window=32),
-    "small": dict(seq_len=256, vocab=8192, batch_size=16, steps=600, lr=3e-3, warmup=60, window=64),
+    "small": dict(seq_len=256, vocab=8192, batch_size=16, steps=150, lr=3e-3, warmup=15, window=64),
 }
 
 WINDOW = 512  # Titans MAC segment, MAG / MAL attention window
