@@ -22,6 +22,7 @@ import time
 import pytest
 import tiny_configs
 
+from nested.data import corpus
 from nested.run import metrics
 
 TMP = ".orbax-checkpoint-tmp"
@@ -36,6 +37,7 @@ DRIVER = textwrap.dedent(
     from nested.run import checkpoint, cli, metrics, train
 
     workdir, delay, overrides = sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
+    name = sys.argv[5]
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def slow_finalize(self, *args, **kwargs):
@@ -60,7 +62,7 @@ DRIVER = textwrap.dedent(
     checkpoint.Checkpointer.restore_latest = reported_restore
     metrics.MetricWriter.write = reported_write
     with cli.user_errors():
-        train.train_and_evaluate(tiny_configs.config("mqar", **overrides), workdir)
+        train.train_and_evaluate(tiny_configs.config(name, **overrides), workdir)
     """
 )
 
@@ -76,11 +78,17 @@ class Run:
 
     count = 0
 
-    def __init__(self, workdir, env, *, delay=0.0, **overrides):
+    def __init__(self, workdir, env, *, delay=0.0, config="mqar", **overrides):
         Run.count += 1
         self.out = workdir.parent / f"{workdir.name}.{Run.count}.out"
         self.err = workdir.parent / f"{workdir.name}.{Run.count}.err"
-        args = [str(tiny_configs.ROOT / "tests"), str(workdir), str(delay), json.dumps(overrides)]
+        args = [
+            str(tiny_configs.ROOT / "tests"),
+            str(workdir),
+            str(delay),
+            json.dumps(overrides),
+            config,
+        ]
         with self.out.open("w") as out, self.err.open("w") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", DRIVER, *args], stdout=out, stderr=err, env=env
@@ -259,3 +267,26 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_in_one_line(tmp_path, env):
     third = Run(workdir, env, train__steps=stopped)
     third.finish()
     assert third.restored() == stopped
+
+
+def test_a_token_corpus_run_killed_resumes_to_the_batches_of_an_uninterrupted_one(tmp_path, env):
+    """The token loader's position is in the checkpoint: a run on a prepared corpus SIGKILLed
+    after its first checkpoint and run again logs what an uninterrupted run logs."""
+    data = tmp_path / "text"
+    data.mkdir()
+    for i, path in enumerate(sorted((tiny_configs.ROOT / "nested" / "core").glob("*.py"))):
+        (data / f"{i}.txt").write_text(path.read_text())
+    folder = tmp_path / "corpus"
+    corpus.prepare([str(data)], str(folder), val_fraction=0.2)
+    settings = {"task__path": str(folder), "train__steps": 12}
+    reference = tmp_path / "reference"
+    Run(reference, env, config="lm", **settings).finish()
+    workdir = tmp_path / "killed"
+    run = Run(workdir, env, config="lm", **settings)
+    assert run.wait_for(lambda: "6" in run.lines("STEP"))
+    run.signal(signal.SIGKILL)
+    assert 4 in complete_steps(workdir)
+    run = Run(workdir, env, config="lm", **settings)
+    run.finish()
+    assert run.restored() in (4, 8)
+    assert comparable(metrics.read(workdir)) == comparable(metrics.read(reference))

@@ -26,6 +26,7 @@ _TRAIN = {
     "train.eval_batch_size": 4,
 }
 TINY = {
+    "lm": {"task.seq_len": 32, "task.documents": True, **_TRAIN},  # set task.path too
     "mqar": {
         "task.vocab_size": 16,
         "task.train_settings": ((16, 2), (16, 4)),
