@@ -188,7 +188,8 @@ def test_killed_mid_save_then_stopped_by_sigterm_resumes_to_the_same_metrics(
     assert not [name for name in folders(workdir) if not name.isdigit()]  # nothing left over
 
 
-@pytest.mark.parametrize("n_kills", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n_kills", [4, 8])
 def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env, n_kills):
     """SIGKILLs at random points (startup, compilation, restore, training, mid-save), each
     followed by the same command; then one uninterrupted run to compare with."""
