@@ -68,6 +68,11 @@ def main(argv):
             learning_rate=_LR.value,
         )
         trained = loading.load_trained(_WORKDIR.value)
+        print(
+            f"measuring {', '.join(settings.protocols)} on {_WORKDIR.value} (step "
+            f"{trained.step}); the first measurement compiles the model",
+            flush=True,
+        )
         with tqdm(unit="measurement", file=sys.stderr, disable=None) as bar:
             try:
                 result = report.run(
