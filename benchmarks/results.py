@@ -647,7 +647,13 @@ def lm_section(results, workdir: Path) -> list[str]:
         "",
     ]
     if plot:
-        out += [f"![training and held-out loss by training tokens]({LM_CURVES})", ""]
+        out += [
+            f"![training and held-out loss by training tokens]({LM_CURVES})",
+            "",
+            "Points: the training loop's held-out loss on the first 16 validation batches (65k "
+            "tokens); the table scores all of them.",
+            "",
+        ]
     return out
 
 
