@@ -207,7 +207,9 @@ def initialize(settings: Settings) -> None:
             ) from error
     _tag_logs(jax.process_index(), jax.process_count())
     if jax.process_count() > 1:
-        Watchdog(settings.heartbeat).start()
+        global _watchdog
+        _watchdog = Watchdog(settings.heartbeat)
+        _watchdog.start()
 
 
 def _tag_logs(index: int, count: int) -> None:
@@ -277,6 +279,25 @@ class Watchdog(threading.Thread):
 
 
 _finished = threading.Event()
+_watchdog: Watchdog | None = None
+
+
+def collective_failed(error: Exception) -> None:
+    """Stop this process after a collective of a multi-process run failed in the main thread
+    (a peer died and its connections closed, often before its heartbeat is missed): give the
+    :class:`Watchdog` its heartbeat to name the lost process and exit 1, else exit 1 here with
+    the collective's error. Returns (the caller re-raises) in a single-process run."""
+    if _watchdog is None:
+        return
+    _finished.wait(1.5 * _watchdog.heartbeat)  # the watchdog's os._exit(1) comes first
+    print(
+        f"error: a collective operation failed ({' '.join(str(error).split())[:300]}); process "
+        f"{_watchdog.me} stops. Relaunch every process to resume from the last complete "
+        "checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
 
 
 def _client():

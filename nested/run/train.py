@@ -631,6 +631,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path) -> d
             if restored is not None and restored.step == cfg.steps:
                 logging.info("the run in %s is complete (step %d)", workdir, step)
             train_seconds = time.perf_counter() - start_time
+        except jax.errors.JaxRuntimeError as error:  # a peer died inside a collective
+            distributed.collective_failed(error)
+            raise
         finally:
             if bar is not None:
                 bar.close()
