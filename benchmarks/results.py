@@ -618,7 +618,7 @@ def lm_section(results, workdir: Path) -> list[str]:
         cells = [
             model,
             "—" if params is None else f"{params / 1e6:.2f}M",
-            f"{LM_STEPS * 16 * 256 / 1e6:.2f}M",
+            f"{LM_STEPS * _tokens_per_step(workdir / row_id) / 1e6:.2f}M",
             _wall(record),
             f"{val['nll']:.3f}",
             f"{val['perplexity']:.1f}",
@@ -627,7 +627,7 @@ def lm_section(results, workdir: Path) -> list[str]:
             _commands(record),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    plot = _lm_curves(entries)
+    plot = _lm_curves(entries, workdir)
     out = [
         "## Language modelling on real text",
         "",
@@ -674,7 +674,13 @@ def _lm_bucket_ppl(position: dict, lo: int, hi: int) -> float:
     return float(np.exp(np.mean(position["nll"][lo:hi])))
 
 
-def _lm_curves(entries) -> str | None:
+def _tokens_per_step(workdir: Path) -> int:
+    """Training tokens a step of the run in ``workdir`` (its ``config.json``)."""
+    config = json.loads((workdir / "config.json").read_text())
+    return config["train"]["batch_size"] * config["task"]["seq_len"]
+
+
+def _lm_curves(entries, workdir: Path) -> str | None:
     """Plot every ``lm/`` row's training loss (points: held-out loss) against tokens."""
     if not entries:
         return None
@@ -687,7 +693,7 @@ def _lm_curves(entries) -> str | None:
     for row_id, (_, records) in entries.items():
         train_records = [r for r in records if r["split"] == metrics.TRAIN]
         held = [r for r in records if r["split"] == "val" and "loss" in r]
-        tokens = 16 * 256
+        tokens = _tokens_per_step(workdir / row_id)
         (line,) = ax.plot(
             [r["step"] * tokens / 1e6 for r in train_records],
             [r["loss"] for r in train_records],

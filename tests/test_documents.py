@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_kernels import context as kernel_context
 
 import nested as nl
 from nested.core import inner
@@ -33,18 +34,8 @@ def documents_of(lengths=DOCUMENTS) -> jax.Array:
 
 
 def context(level, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 3 + len(level.gates))
-    k = jax.random.normal(keys[0], (B, T, H, level.memory.d_k))
-    gates = {}
-    for key, (name, gate) in zip(keys[3:], sorted(level.gates.items()), strict=True):
-        size = () if gate.size is None else (getattr(level.memory, gate.size),)
-        gates[name] = gate.activate(jax.random.normal(key, (B, T, H, *size)))
-    return inner.Context(
-        k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
-        v=jax.random.normal(keys[1], (B, T, H, level.memory.d_v)),
-        q=jax.random.normal(keys[2], (B, T, H, level.memory.d_k)),
-        gates=gates,
-    )
+    """A random context of ``T`` tokens (``test_kernels.context``)."""
+    return kernel_context(level, T, seed)
 
 
 def memories(level, seed):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tiny_configs
 from ml_collections import config_dict
+from test_tokens import document_texts
 
 from nested.data import corpus
 from nested.run import checkpoint, lm_eval, train
@@ -30,17 +31,19 @@ EVAL_LM = str(tiny_configs.ROOT / "experiments" / "eval_lm.py")
 TRAIN = str(tiny_configs.ROOT / "experiments" / "train.py")
 
 
-def texts(n: int = 40) -> list[str]:
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "é", "x", "longer-word"]
-    return [" ".join(rng.choice(words, size=rng.integers(1, 9))) for _ in range(n)]
+def held_out_texts() -> list[str]:
+    """The documents the validation split holds (``val_fraction=0.3``)."""
+    texts = document_texts()
+    return [t for i, t in enumerate(texts) if corpus.val_fraction_of("docs.jsonl", i) < 0.3]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Prepared corpora of the same documents: ``bytes``, BPEs of vocab 257 (no merges) and 300."""
     root = tmp_path_factory.mktemp("lm_eval")
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts()))
+    (root / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in document_texts())
+    )
     out = {}
     for name, kind, vocab in (("bytes", "bytes", 0), ("bpe257", "bpe", 257), ("bpe", "bpe", 300)):
         out[name] = root / name
@@ -128,7 +131,7 @@ def test_perplexity_is_the_hand_computed_mean_nll(models, persist):
     if carry:  # the carried memory changes the numbers
         assert abs(total - restarted) > 1e-3 * n
     # Bytes: every scored token but EOS is one UTF-8 byte, and they are the documents' text.
-    val_texts = [t for i, t in enumerate(texts()) if corpus.val_fraction_of("docs.jsonl", i) < 0.3]
+    val_texts = held_out_texts()
     size = sum(len(t.encode()) for t in val_texts)
     assert got["bytes"] == size == int((stream != EOS).sum())
     np.testing.assert_allclose(got["bits_per_byte"], total / math.log(2) / size, rtol=1e-5)
@@ -147,7 +150,7 @@ def test_bits_per_byte_divides_by_the_text_bytes_of_a_bpe_corpus(folders):
     tokenizer = corpus.prepared_tokenizer(task.path, task.index)
     stream = val_tokens(task)
     decoded = tokenizer.hf.decode([int(t) for t in stream if t != tokenizer.eos_id])
-    val_texts = [t for i, t in enumerate(texts()) if corpus.val_fraction_of("docs.jsonl", i) < 0.3]
+    val_texts = held_out_texts()
     assert got["bytes"] == len("".join(val_texts).encode()) == len(decoded.encode())
     assert got["tokens"] == len(stream) < got["bytes"]  # merges: fewer tokens than bytes
     np.testing.assert_allclose(

@@ -411,11 +411,17 @@ def _items(level: Level, ctx: Context, cache):
     return items, cache
 
 
-def _padded(items: dict, pad: int) -> dict:
-    """Items padded by ``pad`` steps, ``(B, T, H, ...) -> (B, H, T + pad, ...)``: the vmaps
-    over B, then H see one memory's stream."""
+def _blocked_items(level: Level, ctx: Context, cache):
+    """:func:`_items`, padded to whole blocks of :func:`block_tokens` and laid out ``(B, T, H,
+    ...) -> (B, H, T + pad, ...)`` (the vmaps over B, then H see one memory's stream).
+    Returns ``(items, cache, n_blocks, block, pad)``."""
+    items, cache = _items(level, ctx, cache)
+    T = ctx.k.shape[1]
+    block = block_tokens(level)
+    n_blocks = -(-T // block)
+    pad = n_blocks * block - T
     items = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), items)
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items)
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 1), items), cache, n_blocks, block, pad
 
 
 def run_hooked(level: Level, state: LevelState, ctx: Context, hook: UpdateHook | None):
@@ -432,12 +438,8 @@ def run_hooked(level: Level, state: LevelState, ctx: Context, hook: UpdateHook |
                 f"document starts; measure without documents"
             )
         return (*run_documents(level, state, ctx), None)
-    B, T, H, _ = ctx.k.shape
-    block = block_tokens(level)
-    n_blocks = -(-T // block)
-    pad = n_blocks * block - T
-    items, cache = _items(level, ctx, state.cache)
-    items = _padded(items, pad)
+    T = ctx.k.shape[1]
+    items, cache, n_blocks, block, pad = _blocked_items(level, ctx, state.cache)
     mask = jnp.arange(T + pad) < T
     updates = -(-T // level.every)
     padded_updates = (T + pad) // level.every
@@ -503,12 +505,8 @@ def run_documents(level: Level, state: LevelState, ctx: Context):
     alone from ``ctx.initial`` (its update chunks counted from its start, windows holding
     none of the previous document's items); the row's first one continues ``state``.
     Returns ``(o (B, T, H, d_v), final state)``."""
-    B, T, H, _ = ctx.k.shape
-    block = block_tokens(level)
-    n_blocks = -(-T // block)
-    pad = n_blocks * block - T
-    items, cache = _items(level, ctx, state.cache)
-    items = _padded(items, pad)
+    T = ctx.k.shape[1]
+    items, cache, n_blocks, _, pad = _blocked_items(level, ctx, state.cache)
     flags = _document_flags(level, ctx.starts, T + pad)
     initial = (ctx.initial.params, ctx.initial.opt_state)
 

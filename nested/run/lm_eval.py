@@ -84,6 +84,7 @@ from tqdm import tqdm
 
 from nested.core.scheduler import Program
 from nested.data import TokensTask, corpus
+from nested.data.tokens import document_ids
 from nested.learn.objectives import token_cross_entropy
 from nested.run import checkpoint, metrics, train
 from nested.run import config as config_lib
@@ -111,20 +112,22 @@ def make_score_fn(program: Program, eos_id: int | None = None) -> Callable:
     training (:func:`nested.data.tokens.document_ids`). Returns the final fast state.
     """
 
-    def score(params, inputs, targets, mask, fast):
+    def score(params, inputs, targets, mask, fast, documents):
         if fast is not None:
             fast = program.start_fast(params, inputs.shape[0], fast)
-        documents = None
-        if eos_id is not None:
-            after_eos = (inputs[:, :-1] == eos_id).astype(jnp.int32)
-            documents = jnp.pad(jnp.cumsum(after_eos, axis=1), ((0, 0), (1, 0)))
         logits, fast = program.apply(
             params, inputs, fast, targets=targets, mask=mask, documents=documents
         )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
         return token_cross_entropy(logits, {"targets": targets, "mask": mask}), fast
 
-    return jax.jit(score)
+    jitted = jax.jit(score)
+
+    def call(params, inputs, targets, mask, fast):
+        documents = None if eos_id is None else document_ids(np.asarray(inputs), eos_id)
+        return jitted(params, inputs, targets, mask, fast, documents)
+
+    return call
 
 
 def val_stream(task: TokensTask) -> np.ndarray:
