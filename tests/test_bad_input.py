@@ -82,13 +82,39 @@ CONFIG_CASES = {
     ),
     "typo in the mesh": (
         {"train__mesh__dta": 2},
-        "train.mesh.dta is not a key of train.mesh; allowed: ['data', 'model', 'shard_params']",
+        "train.mesh.dta is not a key of train.mesh; allowed: ['data', 'fsdp', 'rules', 'tensor']",
     ),
-    "negative mesh axis": ({"train__mesh__data": -1}, "train.mesh.data=-1 must be an int >= 0"),
-    "zero model axis": ({"train__mesh__model": 0}, "train.mesh.model=0 must be an int >= 1"),
-    "string mesh flag": (
-        {"train__mesh__shard_params": "yes"},
-        "train.mesh.shard_params='yes' must be True or False",
+    "negative mesh axis": (
+        {"train__mesh__data": -2},
+        "train.mesh.data=-2 must be an int >= 1, or -1 for the rest",
+    ),
+    "zero tensor axis": (
+        {"train__mesh__tensor": 0},
+        "train.mesh.tensor=0 must be an int >= 1, or -1 for the rest",
+    ),
+    "two axes take the rest": (
+        {"train__mesh__fsdp": -1},
+        "train.mesh: train.mesh.data=-1 and train.mesh.fsdp=-1: at most one axis takes the "
+        "rest of the devices",
+    ),
+    "a rule names an unknown mesh axis": (
+        {"train__mesh__rules__mlp": "model"},
+        "train.mesh.rules.mlp='model' names the axis 'model', which the mesh lacks; mesh axes: "
+        "['data', 'fsdp', 'tensor']",
+    ),
+    "a rule that is not a string": (
+        {"train__mesh__rules__embed": 1},
+        "train.mesh.rules.embed=1 must be a string of mesh axes, e.g. 'fsdp' or 'data,fsdp' "
+        "('' keeps the dimension whole)",
+    ),
+    "microbatches that do not divide the batch": (
+        {"train__microbatches": 3},
+        "train.microbatches=3 does not divide train.batch_size=4; allowed: [1, 2, 4]",
+    ),
+    "an unknown remat policy": (
+        {"model__remat": "some"},
+        "model: remat='some' is unknown; use one of ['none', 'full', 'save_dots', "
+        "'save_dots_no_batch']",
     ),
 }
 

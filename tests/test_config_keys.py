@@ -85,7 +85,8 @@ def test_the_command_prints_every_key_of_a_config_with_its_value(spec, capsys):
     keys = []
     for section in ("task", "model", "optimizer", "train", "plasticity"):
         keys += [f"{section}.{k}" for k in flat[section] if k != "mesh"]
-    keys += [f"train.mesh.{k}" for k in flat["train"]["mesh"]]
+    keys += [f"train.mesh.{k}" for k in flat["train"]["mesh"] if k != "rules"]
+    keys += [f"train.mesh.rules.{k}" for k in flat["train"]["mesh"]["rules"]]
     keys += [f"levels.{n}.{k}" for n, level in flat["levels"].items() for k in level]
     assert sorted(printed) == sorted(keys)  # the config holds every accepted key
     assert printed["train.steps"].split()[1:] == ["int", repr(config.train.steps)]

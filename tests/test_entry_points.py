@@ -59,7 +59,10 @@ def test_no_tpu_note_on_a_machine_without_a_tpu(tmp_path):
     rc, out, lines = train(f"--workdir={tmp_path / 'run'}", "--config.train.mesh.data=3")
     assert rc == 1 and out == ""
     assert len(lines) == 1, lines
-    assert lines[0].startswith("error: train.mesh.data=3 x train.mesh.model=1 does not fit"), lines
+    assert lines[0] == (
+        "error: train.mesh.data=3 x train.mesh.fsdp=1 x train.mesh.tensor=1 does not fit the 1 "
+        "cpu device(s): the sizes must multiply to 1 (-1: the devices the other axes leave)"
+    ), lines
 
 
 def test_only_the_tpu_note_is_hidden():

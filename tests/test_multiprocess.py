@@ -257,7 +257,11 @@ def test_processes_started_with_different_configs_are_refused(tmp_path):
 def test_a_batch_the_devices_of_all_processes_do_not_divide_is_refused(tmp_path):
     rc, _, err = finish(start(tmp_path / "run", 2, 2, "--config.train.batch_size=6"))
     assert rc == 1
-    assert "train.batch_size=6 is not divisible by the mesh's data axis (4 devices)" in err
+    assert (
+        "train.batch_size=6 is not divisible by the 4 devices (data=4 x fsdp=1) the batch is "
+        "split over; use a multiple of 4 (data=4 x fsdp=1 x tensor=1 over 4 cpu device(s) of 2 "
+        "processes)"
+    ) in err
 
 
 FAKE = """

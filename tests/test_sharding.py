@@ -1,18 +1,20 @@
-"""Data parallel training on 8 simulated CPU devices gives the single-device numbers, and
-checkpoints move between device counts.
+"""Training on 8 simulated CPU devices, on meshes of ``data``, ``fsdp`` and ``tensor``, gives
+the single-device numbers; checkpoints move between meshes; FSDP and tensor parallelism divide
+the bytes each device holds.
 
 The device count must be set before JAX starts, so every run happens in a subprocess: with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 devices, without it for 1. Two
-phases of two processes each (run side by side):
+phases of processes run side by side:
 
 1. one device: the tiny continual run (its memory carries a fast state across sequences, so
    batch-sharded fast states are exercised);
-   eight devices: bad meshes, and the same run on a ``data=4 x model=2`` mesh with sharded
-   slow parameters;
-2. each run's checkpoint of step 4 resumed on the other device count.
+   eight devices: bad meshes, the bytes per device, and the same run on
+   ``data=2 x fsdp=2 x tensor=2``;
+2. the checkpoint of step 4 of the 8-device run resumed on one device and on ``fsdp=8``, and
+   the one-device run's on ``data=2 x fsdp=2 x tensor=2``.
 
-The program-level steps alone (``sharding.place`` and ``sharding.jit_steps``, no loop) on two
-meshes are a slow test.
+The language models' steps alone (tiny Hope and Titans-MAC, 10 steps on three meshes) and the
+1.3B model compiled for 64 devices are slow tests.
 """
 
 import json
@@ -29,20 +31,26 @@ import tiny_configs
 from nested.run import metrics
 
 EIGHT = "--xla_force_host_platform_device_count=8"
-MESH = {"data": 4, "model": 2, "shard_params": True}
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+FSDP = {"data": 1, "fsdp": 8}
+BATCH = {"batch_size": 8, "eval_batch_size": 8}  # rows that fsdp=8 divides
 
 SCRIPT = textwrap.dedent(
     """
     import json, sys, time
     sys.path.insert(0, sys.argv[1])
-    import jax, optax
+    import jax, jax.numpy as jnp, numpy as np
     import tiny_configs
-    import nested as nl
-    from nested.run import checkpoint, config as nc, sharding, train
-    from nested.nn.models import MemoryLM
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from nested.nn.models import MLPBlock
+    from nested.run import checkpoint, config as nc, partitioning, sharding, train
+
+    def fields_of(mesh, train_fields):
+        fields = {f"train__mesh__{k}": v for k, v in mesh.items()}
+        return {**fields, **{f"train__{k}": v for k, v in train_fields.items()}}
 
     def train_run(workdir, mesh):
-        fields = {f"train__mesh__{k}": v for k, v in mesh.items()}
         saved, restored = [], []  # the shardings of the states the loop checkpoints
         save, restore = checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore_latest
         def restore_spy(self, like):
@@ -60,45 +68,103 @@ SCRIPT = textwrap.dedent(
             return save(self, step, state, **kwargs)
         checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore_latest = spy, restore_spy
         try:
-            train.train_and_evaluate(tiny_configs.config("continual", **fields), workdir)
+            config = tiny_configs.config("continual", **fields_of(mesh, BATCH))
+            train.train_and_evaluate(config, workdir)
         finally:
             checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore_latest = save, restore
         assert all(s == saved[0] for s in saved)
         return {**saved[0], "restored_step": restored[0]}
 
     def error(name, mesh, train_fields):
-        fields = {f"train__mesh__{k}": v for k, v in mesh.items()}
-        fields.update({f"train__{k}": v for k, v in train_fields.items()})
         try:
-            train.make_layout(nc.build(tiny_configs.config(name, **fields)))
+            train.make_layout(nc.build(tiny_configs.config(name, **fields_of(mesh, train_fields))))
         except nc.ConfigError as e:
             return str(e)
         return None
 
-    def program_losses(devices, model_axis, shard_params):
-        memory = nl.recipes.delta(d_k=4, d_v=4, persist="stream")
-        backbone = nl.Level("backbone",
-            memory=lambda rngs: MemoryLM(memory, vocab=17, dim=16, heads=4, layers=1, rngs=rngs),
-            objective=nl.objectives.next_token, update=optax.adam(1e-2), every="step")
-        program = nl.compile(nl.NestedSystem([backbone, memory], owners={"memory": "backbone"}))
-        mesh = sharding.make_mesh(data=devices // model_axis, model=model_axis,
-                                  devices=jax.devices()[:devices])
-        state = sharding.place(program.init(jax.random.key(0), batch_size=8), mesh,
-                               shard_params=shard_params)
-        step, _ = sharding.jit_steps(program, state, mesh, shard_params=shard_params)
-        losses = []
-        for i in range(4):
-            x = jax.random.randint(jax.random.key(i), (8, 17), 0, 17)
-            state, metrics = step(state, {"inputs": x[:, :-1], "targets": x[:, 1:]})
-            losses.append(float(metrics["loss"]))
-        fast = jax.tree.leaves(state.fast)[0]
-        return {"losses": losses, "fast_shards": len(fast.sharding.device_set)}
+    def lm(variant, mesh, microbatches=1):
+        cfg = nc.load(str(tiny_configs.ROOT / "configs" / "lm.py") + ":" + variant)
+        fields = {"task.vocab_size": 256, "task.seq_len": 64, "train.batch_size": 8,
+                  "train.eval_batch_size": 8, "train.microbatches": microbatches}
+        fields.update({f"train.mesh.{k}": v for k, v in mesh.items()})
+        return nc.build(tiny_configs.override(cfg, fields))
 
+    def lm_losses(variant, mesh, microbatches=1, steps=10):
+        exp = lm(variant, mesh, microbatches)
+        layout = train.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
+        state = train.init_state(exp, layout)
+        x = np.random.default_rng(0).integers(0, 256, (steps, 8, 65))
+        batches = {"inputs": x[..., :-1], "targets": x[..., 1:], "mask": np.ones((steps, 8, 64))}
+        batches = {k: jnp.asarray(v, jnp.float32 if k == "mask" else jnp.int32)
+                   for k, v in batches.items()}
+        _, metrics = train.make_train_fn(exp.program, layout)(state, batches)
+        return [float(v) for v in metrics["loss"]]
+
+    def state_bytes(variant, mesh):
+        # parameters and optimizer state held per device: from the shards' shapes, and the
+        # compiled step's arguments (memory_analysis)
+        exp = lm(variant, mesh)
+        layout = train.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
+        abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
+        learned = lambda s: (s.params, s.opt_state)
+        shards = zip(jax.tree.leaves(learned(abstract)), jax.tree.leaves(learned(layout.state)))
+        held = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in shards)
+        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              abstract, layout.state)
+        batch = {k: jax.ShapeDtypeStruct((1, 8, 64), jnp.int32) for k in ("inputs", "targets")}
+        step = train.make_train_fn(exp.program, layout).lower(placed, batch).compile()
+        analysis = step.memory_analysis()
+        return {"shards": held, "arguments": analysis.argument_size_in_bytes}
+
+    def mlp_temp(tensor):
+        # the temporaries of an MLP block's forward and backward pass, per device
+        mesh = sharding.make_mesh(data=1, tensor=tensor, devices=jax.devices()[:tensor])
+        graph, params = nnx.split(MLPBlock(64, 1024, rngs=nnx.Rngs(0)))
+        specs = partitioning.parameter_specs({"mlp": params}, sharding.RULE_DEFAULTS,
+                                             dict(mesh.shape))["mlp"]
+        shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+        loss = lambda params, x: jnp.sum(nnx.merge(graph, params)(x) ** 2)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)),
+                       in_shardings=(shard, NamedSharding(mesh, P())))
+        placed = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                              params, shard)
+        x = jax.ShapeDtypeStruct((8, 128, 64), jnp.float32)
+        return grad.lower(placed, x).compile().memory_analysis().temp_size_in_bytes
+
+    def compiled_for_pod(variant, mesh, microbatches, remat):
+        # lowered and compiled for the devices with abstract arrays only (nothing allocated)
+        cfg = nc.load(str(tiny_configs.ROOT / "configs" / "lm.py") + ":" + variant)
+        fields = {f"train.mesh.{k}": v for k, v in mesh.items()}
+        cfg = tiny_configs.override(cfg, {**fields, "train.microbatches": microbatches,
+                                          "model.remat": remat})
+        exp = nc.build(cfg)
+        layout = train.make_layout(exp)
+        abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
+        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              abstract, layout.state)
+        shape = (1, cfg.train.batch_size, cfg.task.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
+        step = train.make_train_fn(exp.program, layout).lower(placed, batch).compile()
+        analysis = step.memory_analysis()
+        used = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+        used += analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        parameters = sum(x.size for x in jax.tree.leaves(abstract.params))
+        print(f"{variant} on {sharding.describe(layout.mesh)}, {microbatches} microbatches, "
+              f"remat {remat}: {parameters / 1e9:.2f}B parameters, per device: arguments "
+              f"{analysis.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
+              f"{analysis.temp_size_in_bytes / 2**30:.2f} GiB, in all {used / 2**30:.2f} GiB",
+              file=sys.stderr)
+        return {"bytes": used, "parameters": parameters, "devices": layout.mesh.size}
+
+    KINDS = {"train": train_run, "error": error, "lm": lm_losses, "bytes": state_bytes,
+             "mlp_temp": mlp_temp, "pod": compiled_for_pod}
+    BATCH = json.loads(sys.argv[3])
     jobs = json.loads(sys.argv[2])
     out = {}
     for name, (kind, *args) in jobs.items():
         start = time.perf_counter()
-        out[name] = {"train": train_run, "error": error, "program": program_losses}[kind](*args)
+        out[name] = KINDS[kind](*args)
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print("RESULT " + json.dumps(out))
     """
@@ -110,8 +176,10 @@ def start(jobs: dict, *, devices: int, env: dict) -> subprocess.Popen:
     # The inherited flags (tests/conftest.py's) without any device count, then ours.
     flags = os.environ.get("XLA_FLAGS", "").split()
     flags = [f for f in flags if not f.startswith(EIGHT.split("=")[0])]
-    env["XLA_FLAGS"] = " ".join(flags + ([EIGHT] if devices == 8 else []))
-    command = [sys.executable, "-c", SCRIPT, str(tiny_configs.ROOT / "tests"), json.dumps(jobs)]
+    count = [f"{EIGHT.split('=')[0]}={devices}"] if devices > 1 else []
+    env["XLA_FLAGS"] = " ".join(flags + count)
+    tests = str(tiny_configs.ROOT / "tests")
+    command = [sys.executable, "-c", SCRIPT, tests, json.dumps(jobs), json.dumps(BATCH)]
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -139,31 +207,39 @@ def resumable_copy(workdir, target):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharding")
     with tiny_configs.compilation_cache(tmp_path_factory) as env:
-        one = start(
-            {"run": ["train", str(tmp / "one"), {}]},
-            devices=1,
-            env=env,
-        )
+        one = start({"run": ["train", str(tmp / "one"), {}]}, devices=1, env=env)
         eight = start(
             {
                 "run": ["train", str(tmp / "eight"), MESH],
                 "data_3": ["error", "continual", {"data": 3}, {}],
-                "model_3": ["error", "continual", {"model": 3}, {}],
+                "tensor_3": ["error", "continual", {"tensor": 3}, {}],
                 "all_on_data": ["error", "continual", {}, {}],
-                "batch_6": ["error", "mqar", {"data": 4, "model": 2}, {"batch_size": 6}],
-                "eval_batch_6": ["error", "mqar", {"data": 4, "model": 2}, {"eval_batch_size": 6}],
-                "fits": ["error", "mqar", {"data": 2, "model": 4}, {}],
+                "batch_6": ["error", "mqar", {"data": 4, "tensor": 2}, {"batch_size": 6}],
+                "eval_batch_6": ["error", "mqar", {"data": 4, "tensor": 2}, {"eval_batch_size": 6}],
+                "microbatch_2": ["error", "mqar", MESH, {"batch_size": 8, "microbatches": 4}],
+                "heads_8": ["error", "mqar", {"data": 1, "tensor": 8}, {}],
+                "fits": ["error", "mqar", {"data": 4, "tensor": 2}, {}],
+                "bytes_one": ["bytes", "titans-tiny", {}],
+                "bytes_fsdp": ["bytes", "titans-tiny", FSDP],
+                "mlp_one": ["mlp_temp", 1],
+                "mlp_tensor": ["mlp_temp", 2],
             },
             devices=8,
             env=env,
         )
         (one, _), (eight, _) = finish(one), finish(eight)
-        to_eight = resumable_copy(tmp / "one", tmp / "one_then_eight")
-        to_one = resumable_copy(tmp / "eight", tmp / "eight_then_one")
-        resume_on_eight = start({"run": ["train", str(to_eight), MESH]}, devices=8, env=env)
-        resume_on_one = start({"run": ["train", str(to_one), {}]}, devices=1, env=env)
-        resumed = {"on_eight": finish(resume_on_eight), "on_one": finish(resume_on_one)}
-    return {"tmp": tmp, "one": one, "eight": eight, "resumed": resumed}
+        moves = {  # the saving run, the mesh (None: one device) it resumes on
+            "eight_on_one": ("eight", None),
+            "eight_on_fsdp": ("eight", FSDP),
+            "one_on_eight": ("one", MESH),
+        }
+        started = {}
+        for name, (saved_by, mesh) in moves.items():
+            workdir = resumable_copy(tmp / saved_by, tmp / name)
+            job = {"run": ["train", str(workdir), mesh or {}]}
+            started[name] = start(job, devices=8 if mesh else 1, env=env)
+        resumed = {name: finish(process) for name, process in started.items()}
+    return {"tmp": tmp, "one": one, "eight": eight, "resumed": resumed, "moves": moves}
 
 
 def assert_close_records(a, b):
@@ -182,63 +258,105 @@ def test_training_loop_on_8_devices_matches_1_device(runs):
     records = metrics.read(tmp / "eight")
     assert len(records) == 8  # 4 train windows + 2 evals x 2 splits
     assert_close_records(records, metrics.read(tmp / "one"))
-    # the carried fast state (B=4, H=2, ...) is split 4 ways on the batch, 2 on the heads;
-    # the embedding table is split along data (shard_params); on one device nothing is split
+    # the carried fast state (B=8, H=2, ...) is split 4 ways on the batch (data x fsdp) and 2
+    # on the heads; the largest parameter (the output head: embed, vocab) along fsdp and tensor
     assert runs["eight"]["run"] == {
         "fast_devices": 8,
-        "fast_spec": "P('data', 'model')",
-        "param_spec": "P(None, 'data')",
+        "fast_spec": "P(('data', 'fsdp'), 'tensor')",
+        "param_spec": "P('fsdp', 'tensor')",
         "restored_step": None,
     }
     assert runs["one"]["run"]["fast_devices"] == 1
 
 
-@pytest.mark.parametrize(("resumed", "saved_on"), [("on_eight", "one"), ("on_one", "eight")])
-def test_a_checkpoint_resumes_on_another_device_count(runs, resumed, saved_on):
+@pytest.mark.parametrize("move", ["eight_on_one", "eight_on_fsdp", "one_on_eight"])
+def test_a_checkpoint_resumes_on_another_mesh(runs, move):
     tmp = runs["tmp"]
-    result, _ = runs["resumed"][resumed]
+    result, _ = runs["resumed"][move]
+    saved_by, mesh = runs["moves"][move]
     assert result["run"]["restored_step"] == 4
-    workdir = tmp / ("one_then_eight" if resumed == "on_eight" else "eight_then_one")
-    records = metrics.read(workdir)
-    saved = metrics.read(tmp / saved_on)
+    records = metrics.read(tmp / move)
+    saved = metrics.read(tmp / saved_by)
     # steps up to 4 are the saving run's own records; the rest were trained after the move
     assert [r for r in records if r["step"] <= 4] == [r for r in saved if r["step"] <= 4]
     assert_close_records(records, metrics.read(tmp / "one"))
-    assert result["run"]["fast_devices"] == (8 if resumed == "on_eight" else 1)
+    assert result["run"]["fast_devices"] == (8 if mesh else 1)
+    if mesh == FSDP:
+        assert result["run"]["param_spec"] == "P('fsdp',)"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("model_axis", "shard_params"), [(1, False), (2, True)])
-def test_program_steps_on_n_devices_match_one_device(model_axis, shard_params):
-    """``sharding.place`` and ``sharding.jit_steps`` alone (no loop); the one-device
-    reference runs in the same process on the first device."""
-    jobs = {"one": ["program", 1, 1, False], "eight": ["program", 8, model_axis, shard_params]}
-    result, _ = finish(start(jobs, devices=8, env={}))
-    single, multi = result["one"], result["eight"]
-    assert multi["fast_shards"] == 8 and single["fast_shards"] == 1
-    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5)
-    assert single["losses"][-1] < single["losses"][0]
+def test_fsdp_holds_an_eighth_of_the_parameters_and_optimizer_state_per_device(runs):
+    one, fsdp = runs["eight"]["bytes_one"], runs["eight"]["bytes_fsdp"]
+    for figure in ("shards", "arguments"):  # the arrays' shards; the compiled step's inputs
+        assert fsdp[figure] <= one[figure] / 8 * 1.05, (figure, fsdp, one)
+    assert one["shards"] > 6e6  # Adam's two moments beside 0.5M float32 parameters
+
+
+def test_tensor_parallelism_halves_the_temporaries_of_an_mlp_block(runs):
+    one, tensor = runs["eight"]["mlp_one"], runs["eight"]["mlp_tensor"]
+    assert abs(tensor / one - 0.5) <= 0.05, (tensor, one)
 
 
 def test_a_mesh_that_does_not_fit_names_the_key(runs):
     errors = runs["eight"]
-    sizes = "['data=8 x model=1', 'data=4 x model=2', 'data=2 x model=4', 'data=1 x model=8']"
+    fit = "the sizes must multiply to 8 (-1: the devices the other axes leave)"
     assert errors["data_3"] == (
-        f"train.mesh.data=3 x train.mesh.model=1 does not fit the 8 cpu device(s); allowed: "
-        f"{sizes} (data=0: every device not on model)"
+        "train.mesh.data=3 x train.mesh.fsdp=1 x train.mesh.tensor=1 does not fit the 8 cpu "
+        f"device(s): {fit}"
     )
-    assert errors["model_3"].startswith("train.mesh.data=0 x train.mesh.model=3 does not fit")
-    assert errors["batch_6"] == (
-        "train.batch_size=6 is not divisible by the mesh's data axis (4 devices); use a "
-        "multiple of 4 (train.mesh.data=4)"
+    assert errors["tensor_3"] == (
+        "train.mesh.data=-1 x train.mesh.fsdp=1 x train.mesh.tensor=3 does not fit the 8 cpu "
+        f"device(s): {fit}"
     )
-    assert errors["eval_batch_6"] == (
-        "train.eval_batch_size=6 is not divisible by the mesh's data axis (4 devices); use a "
-        "multiple of 4 (train.mesh.data=4)"
-    )
+    mesh = "data=4 x fsdp=1 x tensor=2 over 8 cpu device(s)"
+    for key, case in (("batch_size", "batch_6"), ("eval_batch_size", "eval_batch_6")):
+        assert errors[case] == (
+            f"train.{key}=6 is not divisible by the 4 devices (data=4 x fsdp=1) the batch is "
+            f"split over; use a multiple of 4 ({mesh})"
+        )
     # the default mesh puts all 8 devices on data
     assert errors["all_on_data"] == (
-        "train.batch_size=4 is not divisible by the mesh's data axis (8 devices); use a "
-        "multiple of 8 (train.mesh.data=0)"
+        "train.batch_size=4 is not divisible by the 8 devices (data=8 x fsdp=1) the batch is "
+        "split over; use a multiple of 8 (data=8 x fsdp=1 x tensor=1 over 8 cpu device(s))"
     )
+    assert errors["microbatch_2"] == (
+        "train.batch_size=8 / train.microbatches=4: a microbatch of 2 rows is not divisible by "
+        "the 4 devices (data=2 x fsdp=2) the batch is split over; use a multiple of 4 "
+        "(data=2 x fsdp=2 x tensor=2 over 8 cpu device(s))"
+    )
+    assert errors["heads_8"].startswith("train.mesh: parameter blocks/0/"), errors["heads_8"]
+    assert "(heads) of size 2 is not divisible by the mesh axes tensor=8" in errors["heads_8"]
+    assert errors["heads_8"].endswith("or set train.mesh.rules.heads=''")
     assert errors["fits"] is None
+
+
+LM_MESHES = {"data_fsdp_tensor": MESH, "fsdp": FSDP, "tensor_data": {"data": 4, "tensor": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["hope-tiny", "titans_mac-tiny"])
+def test_language_models_on_three_meshes_match_one_device(variant):
+    """10 steps of a tiny language model on each mesh, and with 4 microbatches on the first,
+    against one device (in the same process, on its first device)."""
+    jobs = {"one": ["lm", variant, {}]}
+    jobs.update({name: ["lm", variant, mesh] for name, mesh in LM_MESHES.items()})
+    jobs["microbatches"] = ["lm", variant, MESH, 4]
+    result, _ = finish(start(jobs, devices=8, env={}))
+    one = result.pop("one")
+    assert len(one) == 10 and np.all(np.isfinite(one))
+    for name, losses in result.items():
+        np.testing.assert_allclose(losses, one, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_the_largest_language_model_compiles_for_a_pod_of_64_devices():
+    """Hope at 1.3B, lowered and compiled for 64 simulated devices without allocating: the
+    per-device estimate (arguments, temporaries and outputs of the compiled step) is printed
+    and fits an 80 GB device."""
+    mesh = {"data": 1, "fsdp": 16, "tensor": 4}
+    jobs = {"pod": ["pod", "hope-1.3b", mesh, 4, "full"]}
+    result, err = finish(start(jobs, devices=64, env={}))
+    pod = result["pod"]
+    assert pod["devices"] == 64 and 1.1e9 < pod["parameters"] < 1.5e9
+    assert pod["bytes"] < 80e9, err[-2000:]
+    print(err.strip().splitlines()[-2])

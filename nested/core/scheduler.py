@@ -108,9 +108,19 @@ _FIX = "fix the data or build a model of that vocabulary"
 class Program:
     """The compiled system; see the module docstring."""
 
-    def __init__(self, system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None):
+    def __init__(
+        self,
+        system: NestedSystem,
+        *,
+        skip_nonfinite: bool = False,
+        compute_dtype=None,
+        microbatches: int = 1,
+    ):
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
         self.system = system
         self.skip_nonfinite = skip_nonfinite
+        self.microbatches = microbatches
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
             raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating dtype")
@@ -308,10 +318,7 @@ class Program:
         leaves the state unchanged (but for the step counter) and reports ``skipped = 1``.
         """
         batch = self.check_batch(batch)
-        # The start is built inside the differentiated function: rows that restart take
-        # initial states of the parameters being differentiated (:meth:`stream_loss`).
-        grad_fn = jax.value_and_grad(self._stream_loss, has_aux=True)
-        (loss, (metrics, fast)), grads = grad_fn(state.params, batch, state.fast)
+        (loss, (metrics, fast)), grads = self._gradients(state.params, batch, state.fast)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         flags = guards.health(loss, grads, fast)
@@ -329,6 +336,45 @@ class Program:
         )
         return new_state, metrics
 
+    def _gradients(self, params, batch: dict, carried):
+        """``((loss, (metrics, fast)), grads)`` of :meth:`stream_loss` on ``batch``.
+
+        With ``microbatches = k`` the rows (and the carried fast state's) are split into ``k``
+        equal parts run one after another in a ``lax.scan`` (one part's activations live at a
+        time), and the losses, metrics and gradients are their averages weighted by each part's
+        share of the batch's ``mask`` (equal shares without one): exactly the full batch's for
+        an objective that averages over the (masked) positions, as ``next_token`` does.
+        """
+        # The start is built inside the differentiated function: rows that restart take
+        # initial states of the parameters being differentiated (:meth:`stream_loss`).
+        grad_fn = jax.value_and_grad(self._stream_loss, has_aux=True)
+        k = self.microbatches
+        if k == 1:
+            return grad_fn(params, batch, carried)
+        rows = batch["inputs"].shape[0]
+        if rows % k:
+            raise ValueError(f"microbatches={k} does not divide the batch's {rows} rows")
+        split = lambda x: x.reshape(k, rows // k, *x.shape[1:])
+        mask = batch.get("mask")
+        if mask is None:
+            weights = jnp.full((k,), 1.0 / k)
+        else:
+            per_part = jnp.sum(split(mask).astype(jnp.float32), axis=(1, 2))
+            weights = per_part / jnp.maximum(jnp.sum(per_part), 1.0)
+
+        def part(total, inputs):
+            piece, start, weight = inputs
+            (loss, (metrics, fast)), grads = grad_fn(params, piece, start)
+            total = jax.tree.map(lambda t, g: t + weight * g.astype(t.dtype), total, grads)
+            return total, (loss, metrics, fast)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        parts = (jax.tree.map(split, batch), jax.tree.map(split, carried), weights)
+        grads, (losses, metrics, fast) = jax.lax.scan(part, zeros, parts)
+        average = lambda x: jnp.tensordot(weights, x.astype(jnp.float32), axes=1).astype(x.dtype)
+        merge = lambda x: x.reshape(rows, *x.shape[2:])
+        return (average(losses), (jax.tree.map(average, metrics), jax.tree.map(merge, fast))), grads
+
     def eval_step(self, state: State, batch) -> dict:
         """Metrics of the outer objective on ``batch`` (fast levels still learn in context)."""
         _, (metrics, _) = self.stream_loss(state.params, batch, state.fast)
@@ -336,7 +382,7 @@ class Program:
 
 
 def compile(  # noqa: A001
-    system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None
+    system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None, microbatches=1
 ) -> Program:
     """Compile ``system`` into a :class:`Program` (validates the model against the levels).
 
@@ -344,7 +390,14 @@ def compile(  # noqa: A001
     previous state instead of applying the update (see :mod:`nested.core.guards`).
     ``compute_dtype``: the model computes in this dtype (e.g. ``jnp.bfloat16``), parameters
     and fast states stay float32 (module docstring); None: in the parameters' dtype.
+    ``microbatches``: gradient accumulation, each batch's rows in this many parts inside the
+    step (:meth:`Program.train_step`).
     """
     if not isinstance(system, NestedSystem):
         raise ValueError(f"compile() takes a nested.NestedSystem, got {type(system).__name__}")
-    return Program(system, skip_nonfinite=skip_nonfinite, compute_dtype=compute_dtype)
+    return Program(
+        system,
+        skip_nonfinite=skip_nonfinite,
+        compute_dtype=compute_dtype,
+        microbatches=microbatches,
+    )

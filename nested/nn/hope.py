@@ -132,7 +132,7 @@ class SelfModifyingLayer(nnx.Module):
         kvq = project(x)
         memory = state["memory"]
         if self.conv is not None:
-            kvq, conv = self.conv(kvq.reshape(B, C, 3 * dim), memory.cache["conv"], starts)
+            kvq, conv = self.conv(kvq, memory.cache["conv"], starts)
             memory = memory.replace(cache={**memory.cache, "conv": conv})
         k, v, q = jnp.moveaxis(kvq.reshape(B, C, 3, dim), 2, 0)
         heads = lambda a: a.reshape(B, C, self.heads, -1)

@@ -43,17 +43,22 @@ class ShortConv(nnx.Module):
         return jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype)
 
     def __call__(self, x: jax.Array, cache: jax.Array, starts=None) -> tuple[jax.Array, jax.Array]:
-        T = x.shape[1]
-        padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+        """``x (B, T, *F)`` whose features ``F`` flatten to the kernel's; the cache keeps its
+        shape ``(B, width - 1, prod(F))``. Features kept apart (Hope's ``(3, dim)``) are never
+        merged into one dim: a merge of a split dim costs a reshard on a mesh."""
+        B, T, *features = x.shape
+        lead = (1,) * len(features)
+        window = cache.reshape(B, self.width - 1, *features).astype(x.dtype)
+        padded = jnp.concatenate([window, x], axis=1)
         taps = [padded[:, i : i + T] for i in range(self.width)]  # x_{t - width + 1 + i}
         tail = padded[:, T:]
         if starts is not None:  # inputs of an earlier document read as the empty cache's zeros
             keep = same_document(starts, self.width).astype(x.dtype)
-            taps = [tap * keep[:, :, i, None] for i, tap in enumerate(taps)]
+            taps = [tap * keep[:, :, i].reshape(B, T, *lead) for i, tap in enumerate(taps)]
             tail = jnp.stack([tap[:, -1] for tap in taps[1:]], axis=1)
-        kernel = self.kernel[...].astype(x.dtype)
+        kernel = self.kernel[...].astype(x.dtype).reshape(self.width, *features)
         y = sum(kernel[None, None, i] * tap for i, tap in enumerate(taps))
-        return jax.nn.silu(y), tail.astype(cache.dtype)
+        return jax.nn.silu(y), tail.reshape(cache.shape).astype(cache.dtype)
 
 
 def same_document(starts: jax.Array, width: int) -> jax.Array:

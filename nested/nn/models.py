@@ -34,6 +34,16 @@ class MLPBlock(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+# Rematerialisation of each block in the backward pass (``jax.checkpoint`` policies): "none"
+# keeps every activation, "full" recomputes the block from its input, "save_dots" keeps the
+# matmul outputs, "save_dots_no_batch" those without batch dims (the weights' products).
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 MIXERS = ("memory", "context", "gate", "layer", "self_modifying", "adatransformer", "attention")
 
 
@@ -136,7 +146,8 @@ class MemoryLM(nnx.Module):
     fastest first) replaces each MLP by a Continuum Memory System; ``projections`` is the
     projection level of the self-modifying (Hope) mixer. Other keyword arguments go to the
     memory layers (:class:`nested.nn.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``,
-    ``experts``...).
+    ``experts``...). ``remat`` picks what each block keeps for the backward pass
+    (:data:`REMAT`); it changes memory and time, never the values.
     """
 
     def __init__(
@@ -153,9 +164,13 @@ class MemoryLM(nnx.Module):
         window: int | None = 64,
         cms: Sequence[Level] = (),
         projections: Level | None = None,
+        remat: str = "none",
         rngs: nnx.Rngs,
         **memory_kwargs,
     ):
+        if remat not in REMAT:
+            raise ValueError(f"remat={remat!r} is unknown; use one of {list(REMAT)}")
+        self.remat = remat
         if (mixer == "self_modifying") != (projections is not None):
             raise ValueError(
                 "MemoryLM: mixer='self_modifying' needs the projection level (projections=...) "
@@ -198,8 +213,11 @@ class MemoryLM(nnx.Module):
         # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
         # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
+        run = lambda block, x, state, starts: block(x, state, starts)
+        if self.remat != "none":
+            run = nnx.remat(run, policy=REMAT[self.remat])
         states = []
         for block, state in zip(self.blocks, fast, strict=True):
-            x, state = block(x, state, starts)
+            x, state = run(block, x, state, starts)
             states.append(state)
         return self.head(self.norm(x)), tuple(states)

@@ -33,7 +33,7 @@ from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema
 from nested.run.config_schema import MODELS, OPTIMIZERS, TRAIN_DEFAULTS, ConfigError
-from nested.run.sharding import MESH_DEFAULTS, check_mesh
+from nested.run.sharding import MESH_DEFAULTS, RULE_DEFAULTS, check_mesh
 
 # Defined in config_schema and used from here by configs, tests and the entry points:
 load, from_json, variant = schema.load, schema.from_json, schema.variant
@@ -125,7 +125,10 @@ def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
 
 def _check_train(config, carries_fast: bool) -> dict[str, Any]:
     train = schema.check_keys("train", config.train, {**TRAIN_DEFAULTS, "mesh": MESH_DEFAULTS})
-    mesh = schema.check_keys("train.mesh", train.pop("mesh", {}), MESH_DEFAULTS)
+    mesh = schema.check_keys(
+        "train.mesh", train.pop("mesh", {}), {**MESH_DEFAULTS, "rules": RULE_DEFAULTS}
+    )
+    mesh["rules"] = schema.check_keys("train.mesh.rules", mesh.get("rules", {}), RULE_DEFAULTS)
     train = {**TRAIN_DEFAULTS, **train, "mesh": schema.wrapped(None, check_mesh, mesh)}
     if train["dtype"] not in schema.DTYPES:
         raise ConfigError(f"train.dtype={train['dtype']!r} is unknown; allowed: {schema.DTYPES}")
@@ -301,8 +304,18 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     owners = schema.owners(config, OUTER)
     system = schema.wrapped("levels", NestedSystem, [outer, *levels.values()], owners=owners)
     compute = None if train["dtype"] == "float32" else train["dtype"]
+    if train["batch_size"] % train["microbatches"]:
+        raise ConfigError(
+            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
+            f"{train['batch_size']}; allowed: {schema.divisors(train['batch_size'])}"
+        )
     program = schema.wrapped(
-        "model", compile, system, skip_nonfinite=train["skip_nonfinite"], compute_dtype=compute
+        "model",
+        compile,
+        system,
+        skip_nonfinite=train["skip_nonfinite"],
+        compute_dtype=compute,
+        microbatches=train["microbatches"],
     )
     return Experiment(config, task, system, program, schedule, plasticity)
 

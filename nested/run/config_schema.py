@@ -47,7 +47,7 @@ from nested.nn.hybrid import MemoryAsContext
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
 from nested.run import config_fields as cf
-from nested.run.sharding import MESH_DEFAULTS
+from nested.run.sharding import MESH_DEFAULTS, RULE_DEFAULTS
 
 SECTIONS = ("seed", "task", "model", "levels", "optimizer", "train", "plasticity")
 OPTIONAL = ("plasticity",)  # a config (or a run's config.json) without it takes its defaults
@@ -79,6 +79,9 @@ TRAIN_DEFAULTS = types.MappingProxyType(
         # The model's compute precision; parameters and fast states stay float32
         # (nested.compile's compute_dtype). One of DTYPES.
         "dtype": "float32",
+        # Gradient accumulation: each batch runs as this many microbatches (rows split
+        # evenly) inside one jitted step, their gradients averaged (nested.compile).
+        "microbatches": 1,
     }
 )
 
@@ -338,9 +341,14 @@ def optimizer_config(name: str = "adamw", **hyper) -> config_dict.ConfigDict:
 
 def train_config(*, mesh: Mapping[str, Any] | None = None, **fields) -> config_dict.ConfigDict:
     """The ``train`` section, :data:`TRAIN_DEFAULTS` overridden by ``fields``, and its
-    ``mesh`` subsection, :data:`~nested.run.sharding.MESH_DEFAULTS` overridden by ``mesh``."""
+    ``mesh`` subsection, :data:`~nested.run.sharding.MESH_DEFAULTS` overridden by ``mesh``,
+    and its ``rules`` (:data:`~nested.run.partitioning.RULE_DEFAULTS` overridden by
+    ``mesh["rules"]``)."""
     section = wrapped(None, cf.section, cf.plain(TRAIN_DEFAULTS), fields)
-    section.mesh = wrapped(None, cf.section, cf.plain(MESH_DEFAULTS), mesh or {})
+    mesh = dict(mesh or {})
+    rules = mesh.pop("rules", {})
+    section.mesh = wrapped(None, cf.section, cf.plain(MESH_DEFAULTS), mesh)
+    section.mesh.rules = wrapped(None, cf.section, cf.plain(RULE_DEFAULTS), rules)
     return section
 
 
@@ -400,6 +408,7 @@ def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
         "optimizer": optimizer_fields(config.optimizer.name),
         "train": cf.plain(TRAIN_DEFAULTS),
         "train.mesh": cf.plain(MESH_DEFAULTS),
+        "train.mesh.rules": cf.plain(RULE_DEFAULTS),
         "plasticity": cf.plain(PLASTICITY_DEFAULTS),
     }
     out = {}
@@ -421,6 +430,7 @@ def registered() -> dict[str, cf.Fields]:
         **{f"optimizer[name={name}]": optimizer_fields(name) for name in sorted(OPTIMIZERS)},
         "train": cf.plain(TRAIN_DEFAULTS),
         "train.mesh": cf.plain(MESH_DEFAULTS),
+        "train.mesh.rules": cf.plain(RULE_DEFAULTS),
         "plasticity": cf.plain(PLASTICITY_DEFAULTS),
     }
 

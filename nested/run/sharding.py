@@ -1,12 +1,16 @@
-"""Data parallelism through ``jax.sharding``: one mesh, shardings for the state and the batch.
+"""Meshes with named axes ``data``, ``fsdp``, ``tensor``, and the shardings of a run's state.
 
-A mesh has a ``data`` axis (and optionally a ``model`` axis). Batches and every per-sequence
-fast state (memories, optimizer states of fast levels, caches: all lead with the batch dim) are
-split along ``data``; the memories' head axis (dim 1 of a ``LevelState``'s params and optimizer
-state) along ``model`` when it divides; slow parameters and their optimizer state are
-replicated, or with ``shard_params`` split along ``data`` on their largest divisible axis
-(FSDP-style). ``jit`` with these in/out shardings lets XLA insert the collectives; the
-training code is the same on 1 or N devices.
+A run's mesh (``train.mesh``) has three axes: ``data`` (pure data parallelism: the batch is
+split, parameters are not), ``fsdp`` (the batch is split too, and every slow parameter and
+its optimizer state is sharded: ZeRO-3) and ``tensor`` (projections split by heads and the MLP
+by its hidden width; the memories' heads follow). Where each slow parameter's dimensions go is
+:mod:`nested.run.partitioning`: logical axes per parameter, and the rules
+(``train.mesh.rules``) mapping them onto these mesh axes. Batches and every per-sequence fast
+state (memories, optimizer states of fast levels, caches: all lead with the batch dim) are
+split along the ``batch`` rule's axes; a memory's head axis (dim 1 of a ``LevelState``'s
+params and optimizer state) along the ``heads`` rule's axes when they divide it. ``jit`` with
+these in/out shardings lets XLA insert the collectives (the all-gathers of FSDP, the
+reductions of tensor parallelism); the training code is the same on 1 or N devices.
 """
 
 from __future__ import annotations
@@ -17,126 +21,171 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nested.core.level import LevelState
 from nested.core.scheduler import Program, State
+from nested.run import partitioning
 
-# A run's mesh (a config's ``train.mesh``): ``data`` devices split the batch (0: every device
-# not on ``model``), ``model`` devices split the memory heads; ``shard_params`` splits the slow
-# parameters along ``data`` too (else they are replicated).
-MESH_DEFAULTS = types.MappingProxyType({"data": 0, "model": 1, "shard_params": False})
+AXES = ("data", "fsdp", "tensor")
+# A run's mesh (a config's ``train.mesh``): the size of each axis, -1 for every device the
+# others leave; ``train.mesh.rules`` (partitioning.RULE_DEFAULTS) places the logical axes.
+MESH_DEFAULTS = types.MappingProxyType({"data": -1, "fsdp": 1, "tensor": 1})
+RULE_DEFAULTS = partitioning.RULE_DEFAULTS
 
 
 def check_mesh(settings: Mapping[str, Any], key: str = "train.mesh") -> dict[str, Any]:
-    """:data:`MESH_DEFAULTS` overridden by ``settings``, checked: raises ``ValueError`` naming
-    ``key.<setting>`` unless ``data`` is an int >= 0, ``model`` an int >= 1 and
-    ``shard_params`` a bool."""
+    """:data:`MESH_DEFAULTS` overridden by ``settings`` (``rules``: :data:`RULE_DEFAULTS`
+    overridden), checked: raises ``ValueError`` naming ``key.<setting>`` unless every size is
+    an int >= 1 or -1 (at most one -1) and every rule names axes of :data:`AXES`."""
+    settings = dict(settings)
+    rules = {**RULE_DEFAULTS, **dict(settings.pop("rules", {}))}
     mesh = {**MESH_DEFAULTS, **settings}
-    for axis, low in (("data", 0), ("model", 1)):
+    for axis in AXES:
         size = mesh[axis]
-        if not isinstance(size, int) or isinstance(size, bool) or size < low:
-            raise ValueError(f"{key}.{axis}={size!r} must be an int >= {low}")
-    if not isinstance(mesh["shard_params"], bool):
-        raise ValueError(f"{key}.shard_params={mesh['shard_params']!r} must be True or False")
+        if not isinstance(size, int) or isinstance(size, bool) or not (size >= 1 or size == -1):
+            raise ValueError(f"{key}.{axis}={size!r} must be an int >= 1, or -1 for the rest")
+    rest = [axis for axis in AXES if mesh[axis] == -1]
+    if len(rest) > 1:
+        raise ValueError(
+            f"{key}: {' and '.join(f'{key}.{a}=-1' for a in rest)}: at most one axis takes "
+            f"the rest of the devices"
+        )
+    mesh["rules"] = partitioning.check_rules(rules, AXES, f"{key}.rules")
     return mesh
 
 
-def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A ``(data, model)`` mesh over ``devices`` (default: all); ``data=None`` uses the rest."""
-    devices = list(devices if devices is not None else jax.devices())
-    if data is None:
-        data = len(devices) // model
-    if data * model != len(devices) or data < 1 or model < 1:
+def mesh_sizes(
+    settings: Mapping[str, Any], devices: int, key: str = "train.mesh", platform: str = ""
+) -> dict:
+    """``{axis: size}`` of the checked mesh ``settings`` over ``devices`` devices (of
+    ``platform``; the -1 axis takes the rest); raises ``ValueError`` naming ``key``."""
+    sizes = {axis: settings[axis] for axis in AXES}
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    for axis, size in sizes.items():
+        if size == -1:
+            sizes[axis] = devices // fixed if devices % fixed == 0 else 0
+    if int(np.prod(list(sizes.values()))) != devices:
+        given = " x ".join(f"{key}.{a}={settings[a]}" for a in AXES)
         raise ValueError(
-            f"mesh: data={data} x model={model} does not match the {len(devices)} devices; "
-            f"choose sizes whose product is {len(devices)}"
+            f"{given} does not fit the {devices} {platform + ' ' if platform else ''}device(s): "
+            f"the sizes must multiply to "
+            f"{devices} (-1: the devices the other axes leave)"
         )
-    auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates shardings through the step
-    return jax.make_mesh((data, model), ("data", "model"), axis_types=auto, devices=devices)
+    return sizes
 
 
-def _size(mesh: Mesh, axis: str) -> int:
-    return mesh.shape[axis]
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None, key: str = "mesh"
+) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all); -1: the rest."""
+    devices = list(devices if devices is not None else jax.devices())
+    settings = check_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, key)
+    sizes = mesh_sizes(settings, len(devices), key, devices[0].platform)
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # XLA propagates shardings
+    return jax.make_mesh(tuple(sizes.values()), AXES, axis_types=auto, devices=devices)
 
 
-def _fast_spec(x: jax.Array, mesh: Mesh, heads: bool) -> P:
-    if x.ndim == 0 or x.shape[0] % _size(mesh, "data"):
+def _sizes(mesh: Mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def _fast_spec(x, mesh: Mesh, rules: Mapping[str, str], heads: bool) -> P:
+    if x.ndim == 0:
         return P()
-    if heads and x.ndim > 1 and _size(mesh, "model") > 1 and x.shape[1] % _size(mesh, "model") == 0:
-        return P("data", "model")
-    return P("data")
+    axes = ("batch", "heads") if heads and x.ndim > 1 else ("batch",)
+    axes = (*axes, *(None,) * (x.ndim - len(axes)))
+    return partitioning.spec_of(axes, x.shape, rules, _sizes(mesh), name="", strict=False)
 
 
-def _param_spec(x: jax.Array, mesh: Mesh) -> P:
-    n = _size(mesh, "data")
-    axes = [i for i in sorted(range(x.ndim), key=lambda i: -x.shape[i]) if x.shape[i] % n == 0]
-    if not axes or n == 1:
-        return P()
-    spec = [None] * x.ndim
-    spec[axes[0]] = "data"
-    return P(*spec)
-
-
-def fast_shardings(fast: Any, mesh: Mesh) -> Any:
-    """Shardings of a fast-state pytree: batch along ``data``, memory heads along ``model``."""
+def fast_shardings(fast: Any, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS) -> Any:
+    """Shardings of a fast-state pytree: the batch along the ``batch`` rule's axes, memory
+    heads along the ``heads`` rule's, each where it divides (else that dim stays whole)."""
 
     def of(node):
         if isinstance(node, LevelState):
             memory = jax.tree.map(
-                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, True)),
+                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, rules, True)),
                 (node.params, node.opt_state),
             )
             cache = jax.tree.map(
-                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, False)), node.cache
+                lambda x: NamedSharding(mesh, _fast_spec(x, mesh, rules, False)), node.cache
             )
             return node.replace(params=memory[0], opt_state=memory[1], cache=cache)
-        return NamedSharding(mesh, _fast_spec(node, mesh, False))
+        return NamedSharding(mesh, _fast_spec(node, mesh, rules, False))
 
     return jax.tree.map(of, fast, is_leaf=lambda x: isinstance(x, LevelState))
 
 
-def state_shardings(state: State, mesh: Mesh, *, shard_params: bool = False) -> State:
-    """Shardings of a whole :class:`nested.State` (see the module docstring)."""
-    replicated = NamedSharding(mesh, P())
+def state_shardings(state: State, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS) -> State:
+    """Shardings of a whole :class:`nested.State` (see the module docstring): the slow
+    parameters by :func:`nested.run.partitioning.parameter_specs`, every subtree of the
+    optimizer state shaped like them (Adam's moments) alike."""
+    named = lambda spec: NamedSharding(mesh, spec)
+    specs = partitioning.parameter_specs(state.params, rules, _sizes(mesh))
+    params = jax.tree.map(named, specs, is_leaf=partitioning._is_spec)
+    structure = jax.tree.structure(state.params)
 
-    def param(x):
-        return NamedSharding(mesh, _param_spec(x, mesh)) if shard_params else replicated
+    def opt(node):
+        if jax.tree.structure(node) == structure:
+            return params
+        # outside the parameters' structure: split along fsdp too (ZeRO-3), where it divides
+        fsdp = _sizes(mesh)["fsdp"]
+        return jax.tree.map(lambda x: named(partitioning.fsdp_spec(P(), x.shape, fsdp)), node)
 
+    opt_state = jax.tree.map(
+        opt, state.opt_state, is_leaf=lambda n: jax.tree.structure(n) == structure
+    )
     return State(
-        step=replicated,
-        params=jax.tree.map(param, state.params),
-        opt_state=jax.tree.map(param, state.opt_state),
-        fast=None if state.fast is None else fast_shardings(state.fast, mesh),
-        rng=replicated,
+        step=named(P()),
+        params=params,
+        opt_state=opt_state,
+        fast=None if state.fast is None else fast_shardings(state.fast, mesh, rules),
+        rng=named(P()),
     )
 
 
-def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
-    """Batches split along ``data`` on their batch axis: axis 0, or axis 1 when ``stacked``
-    on a leading axis of steps (the batches of one scanned call)."""
-    return NamedSharding(mesh, P(None, "data") if stacked else P("data"))
+def batch_axes(mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS) -> tuple[str, ...]:
+    """The mesh axes the batch is split along (the ``batch`` rule's)."""
+    return partitioning.mesh_axes(rules["batch"]) or ()
+
+
+def batch_sharding(
+    mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS, *, stacked: bool = False
+) -> NamedSharding:
+    """Batches split along the ``batch`` rule's axes on their batch axis: axis 0, or axis 1
+    when ``stacked`` on a leading axis of steps (the batches of one scanned call)."""
+    axes = batch_axes(mesh, rules) or None
+    return NamedSharding(mesh, P(None, axes) if stacked else P(axes))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def check_batch(batch_size: int, mesh: Mesh, *, name: str = "batch_size") -> None:
-    """Raise ``ValueError`` naming ``name`` unless the data axis divides ``batch_size``."""
-    n = _size(mesh, "data")
+def check_batch(
+    batch_size: int, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS, *, name="batch_size"
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless the batch axes' devices divide
+    ``batch_size`` (``name`` with a space, e.g. ``"a microbatch of 2 rows"``, is the whole
+    subject; otherwise the subject is ``name=batch_size``)."""
+    axes = batch_axes(mesh, rules)
+    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if batch_size % n:
+        over = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        subject = name if " " in name else f"{name}={batch_size}"
         raise ValueError(
-            f"{name}={batch_size} is not divisible by the mesh's data axis ({n} devices); "
-            f"use a multiple of {n}"
+            f"{subject} is not divisible by the {n} devices ({over}) the batch is split "
+            f"over; use a multiple of {n}"
         )
 
 
 def describe(mesh: Mesh) -> str:
-    """``"data=4 x model=2 over 8 cpu devices"`` (``"... of 2 processes"`` when several)."""
+    """``"data=2 x fsdp=2 x tensor=2 over 8 cpu device(s)"`` (``"... of 2 processes"``)."""
     platform = mesh.devices.flat[0].platform
-    axes = f"data={mesh.shape['data']} x model={mesh.shape['model']}"
+    axes = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     processes = len({d.process_index for d in mesh.devices.flat})
     where = f" of {processes} processes" if processes > 1 else ""
     return f"{axes} over {mesh.size} {platform} device(s){where}"
@@ -160,7 +209,8 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a run's arrays live: the mesh and the shardings of its :class:`State`.
+    """Where a run's arrays live: the mesh, its rules and the shardings of its
+    :class:`State`.
 
     Build it from any state of the run's structure (arrays or ``jax.eval_shape`` output) with
     :meth:`of`; checkpoints restored into a state of these shardings land on this mesh,
@@ -169,13 +219,15 @@ class Layout:
 
     mesh: Mesh
     state: State  # a State whose leaves are NamedShardings
+    rules: Mapping[str, str] = dataclasses.field(default_factory=lambda: RULE_DEFAULTS)
 
     @classmethod
-    def of(cls, state: State, mesh: Mesh, *, shard_params: bool = False) -> Layout:
-        return cls(mesh, state_shardings(state, mesh, shard_params=shard_params))
+    def of(cls, state: State, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS) -> Layout:
+        """Raises ``ValueError`` naming a parameter whose dimension a rule cannot divide."""
+        return cls(mesh, state_shardings(state, mesh, rules), rules)
 
     def batch(self, *, stacked: bool = False) -> NamedSharding:
-        return batch_sharding(self.mesh, stacked=stacked)
+        return batch_sharding(self.mesh, self.rules, stacked=stacked)
 
     def rows(self, batch_size: int) -> slice:
         """The rows of a global batch of ``batch_size`` sequences that this process feeds."""
@@ -196,18 +248,18 @@ class Layout:
         return replicated(self.mesh)
 
 
-def place(state: State, mesh: Mesh, *, shard_params: bool = False) -> State:
+def place(state: State, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS) -> State:
     """Put ``state`` on ``mesh`` with :func:`state_shardings`."""
-    return jax.device_put(state, state_shardings(state, mesh, shard_params=shard_params))
+    return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
-def jit_steps(program: Program, state: State, mesh: Mesh, *, shard_params: bool = False):
+def jit_steps(program: Program, state: State, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS):
     """``(train_step, eval_step)`` jitted with the mesh's shardings for ``state``'s structure.
 
-    The batch goes along ``data``; the new state keeps the input state's shardings; metrics
-    come back replicated.
+    The batch goes along the ``batch`` rule's axes; the new state keeps the input state's
+    shardings; metrics come back replicated.
     """
-    layout = Layout.of(state, mesh, shard_params=shard_params)
+    layout = Layout.of(state, mesh, rules)
     train = jax.jit(
         program.train_step,
         in_shardings=(layout.state, layout.batch()),

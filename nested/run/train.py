@@ -27,11 +27,12 @@ position is the next ``i`` and a resumed run sees the batches an uninterrupted o
 on CPU it reproduces the uninterrupted run's metrics exactly, however often it was killed.
 
 **Devices.** One code path for 1 or N devices: the state is created and kept with the
-shardings of :mod:`nested.run.sharding` (batches and carried fast states split along ``data``,
-memory heads along ``model`` where they divide, slow parameters replicated or, with
-``train.mesh.shard_params``, split), every jitted function takes and returns those shardings,
-and XLA inserts the collectives. On N devices the losses equal one device's up to float
-summation order (``tests/test_sharding.py``).
+shardings of :mod:`nested.run.sharding` on the mesh ``train.mesh`` (axes ``data``, ``fsdp``,
+``tensor``: batches and carried fast states split along ``data`` and ``fsdp``, memory heads
+along ``tensor`` where they divide, slow parameters and their optimizer state as
+``train.mesh.rules`` place their logical axes, :mod:`nested.run.partitioning`), every
+jitted function takes and returns those shardings, and XLA inserts the collectives. On N
+devices the losses equal one device's up to float summation order (``tests/test_sharding.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,16 @@ from nested import data
 from nested.core import guards
 from nested.core.scheduler import Program, State
 from nested.plasticity import alignment
-from nested.run import checkpoint, distributed, fingerprint, locks, memory_state, metrics, sharding
+from nested.run import (
+    checkpoint,
+    distributed,
+    fingerprint,
+    locks,
+    memory_state,
+    metrics,
+    partitioning,
+    sharding,
+)
 from nested.run import config as config_lib
 from nested.run.config import ConfigError, Experiment
 
@@ -134,28 +144,49 @@ def stacked_batches(
 
 def make_layout(exp: Experiment, *, devices=None) -> sharding.Layout:
     """The mesh of ``train.mesh`` over ``devices`` (default: all) and the shardings of the
-    run's state; raises :class:`ConfigError` naming the key when the mesh does not fit the
-    devices or the batch sizes."""
+    run's state under ``train.mesh.rules``; raises :class:`ConfigError` naming the key when
+    the mesh does not fit the devices, a batch size or a parameter's dimension. Logs the
+    parameters of 1 MiB or more that no rule shards."""
     cfg = exp.config.train
-    mesh_cfg = {**config_lib.MESH_DEFAULTS, **dict(cfg.get("mesh", {}))}
     devices = list(jax.devices() if devices is None else devices)
-    data, model = mesh_cfg["data"], mesh_cfg["model"]
-    n = len(devices)
-    if n % model or (data and data * model != n):
-        sizes = [f"data={n // m} x model={m}" for m in range(1, n + 1) if n % m == 0]
-        raise ConfigError(
-            f"train.mesh.data={data} x train.mesh.model={model} does not fit the {n} "
-            f"{devices[0].platform} device(s); allowed: {sizes} (data=0: every device not on "
-            f"model)"
-        )
-    mesh = sharding.make_mesh(data or None, model, devices=devices)
-    for key in ("batch_size", "eval_batch_size"):
+    try:
+        settings = sharding.check_mesh(_plain(cfg.get("mesh", {})))
+        sizes = sharding.mesh_sizes(settings, len(devices), platform=devices[0].platform)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    mesh = sharding.make_mesh(**sizes, devices=devices)
+    rules = settings["rules"]
+    microbatches = cfg.get("microbatches", 1)
+    checks = [
+        (cfg.batch_size, "train.batch_size", ""),
+        (cfg.eval_batch_size, "train.eval_batch_size", ""),
+    ]
+    if microbatches > 1:
+        part = cfg.batch_size // microbatches
+        whole = f"train.batch_size={cfg.batch_size} / train.microbatches={microbatches}: "
+        checks.append((part, f"a microbatch of {part} rows", whole))
+    for rows, name, prefix in checks:
         try:
-            sharding.check_batch(cfg[key], mesh, name=f"train.{key}")
+            sharding.check_batch(rows, mesh, rules, name=name)
         except ValueError as error:
-            raise ConfigError(f"{error} (train.mesh.data={data})") from error
+            raise ConfigError(f"{prefix}{error} ({sharding.describe(mesh)})") from error
     abstract = jax.eval_shape(_init_fn(exp), jax.random.key(0))
-    return sharding.Layout.of(abstract, mesh, shard_params=mesh_cfg["shard_params"])
+    try:
+        layout = sharding.Layout.of(abstract, mesh, rules)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    whole = partitioning.replicated_large(
+        abstract.params, jax.tree.map(lambda s: s.spec, layout.state.params)
+    )
+    if whole and mesh.size > 1:
+        logging.warning("parameters no rule of train.mesh.rules shards: %s", "; ".join(whole))
+    return layout
+
+
+def _plain(section) -> dict:
+    """A config section (ConfigDict or mapping, nested) as plain dicts."""
+    items = section.items() if hasattr(section, "items") else section
+    return {k: _plain(v) if hasattr(v, "items") else v for k, v in dict(items).items()}
 
 
 def make_train_fn(program: Program, layout: sharding.Layout | None = None):
