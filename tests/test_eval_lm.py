@@ -20,6 +20,7 @@ from ml_collections import config_dict
 from test_tokens import document_texts
 
 from nested.data import corpus
+from nested.learn import objectives
 from nested.run import checkpoint, lm_eval, train
 from nested.run import config as nc
 from nested.run.config import ConfigError
@@ -140,6 +141,46 @@ def test_perplexity_is_the_hand_computed_mean_nll(models, persist):
         loss, _ = program.loss(params, {"inputs": inputs, "targets": targets})
         first = hand_nll(program, params, inputs[0], targets[0])[0]
         np.testing.assert_allclose(float(loss), first.mean(), rtol=1e-5)
+
+
+class PaddingDiverges:
+    """A program whose logits are NaN wherever the mask is 0, as a memory diverging on the
+    eval's EOS padding gives them (issue 25: Hope's memory on the last window's run of EOS)."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)
+
+    def apply(self, params, inputs, fast=None, *, targets=None, mask=None, documents=None):
+        logits, fast = self.program.apply(
+            params, inputs, fast, targets=targets, mask=mask, documents=documents
+        )
+        return jnp.where(mask[..., None] > 0, logits, jnp.nan), fast
+
+
+@pytest.mark.parametrize("persist", ["sequence", "stream"])
+def test_non_finite_logits_on_padding_score_nothing(models, persist):
+    trained, task = models[persist]
+    rows = 3
+    stream = val_tokens(task)
+    assert len(stream) % T and -(-len(stream) // T) % rows  # a padded window, and copies
+    poisoned = lm_eval.make_score_fn(PaddingDiverges(trained.program))
+    got = lm_eval.perplexity(trained, task, rows, poisoned)
+    want = lm_eval.perplexity(trained, task, rows)
+    for key in ("nll", "perplexity", "bits_per_byte"):
+        assert math.isfinite(got[key])
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+def test_token_cross_entropy_is_zero_where_masked_whatever_the_logits():
+    logits = jnp.zeros((1, 4, 3)).at[0, 2].set(jnp.nan).at[0, 3, 0].set(jnp.inf)
+    batch = {"targets": jnp.zeros((1, 4), jnp.int32), "mask": jnp.array([[1.0, 0.5, 0.0, 0.0]])}
+    nll = np.asarray(objectives.token_cross_entropy(logits, batch))
+    np.testing.assert_allclose(nll, [[math.log(3), 0.5 * math.log(3), 0.0, 0.0]], rtol=1e-6)
+    loss, _ = objectives.next_token(logits, batch)
+    np.testing.assert_allclose(float(loss), 1.5 * math.log(3) / 1.5, rtol=1e-6)
 
 
 def test_bits_per_byte_divides_by_the_text_bytes_of_a_bpe_corpus(folders):

@@ -124,10 +124,17 @@ dot = Dot()
 
 
 def token_cross_entropy(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
-    """Per-position next-token cross-entropy ``(B, T)``, zero where ``batch["mask"]`` is 0."""
+    """Per-position next-token cross-entropy ``(B, T)``, zero where ``batch["mask"]`` is 0.
+
+    Exactly zero there whatever the logits are: a masked position (padding) may hold
+    non-finite logits, e.g. a memory diverging on a long run of EOS padding, and
+    ``nan * 0`` is NaN, which would poison every sum over positions."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch.get("mask")
-    return losses if mask is None else losses * mask.astype(losses.dtype)
+    if mask is None:
+        return losses
+    mask = mask.astype(losses.dtype)
+    return jnp.where(mask != 0, losses * mask, jnp.zeros_like(losses))
 
 
 def next_token(logits: jax.Array, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
