@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import nested as nl
-from nested.nn.attention import SlidingWindowAttention, rotary
+from nested.nn.attention import SlidingWindowAttention, causal_attention, initial_cache, rotary
 from nested.nn.hybrid import MemoryAsGate, MemoryAsLayer
 
 DIM, HEADS = 8, 2
@@ -212,3 +212,40 @@ def test_bad_memory_as_context_settings():
     level = nl.recipes.delta(d_k=4, d_v=4)
     with pytest.raises(ValueError, match="persistent tokens of mixer='context'"):
         make_mixer("gate", level, dim=DIM, heads=HEADS, window=4, rngs=nnx.Rngs(0), persistent=2)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("documents", [False, True])
+def test_blockwise_attention_equals_the_whole_scores_values_and_gradients(window, documents):
+    """Blocks of 8 keys over 37 queries and the cache's keys (not a multiple of 8), against the
+    path that holds every score (itself held to the per-position definition above)."""
+    B, T, H, d = 2, 37, 2, 4
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v = (jax.random.normal(key, (B, T, H, d), jnp.float32) for key in keys[:3])
+    cache = initial_cache(B, window, H, d)
+    if window is not None:  # a cache of a previous call: 4 keys back, document from position 3
+        past = jax.random.normal(keys[3], cache["k"].shape)
+        cache = {
+            **cache,
+            "k": past,
+            "v": -past,
+            "position": jnp.full((B,), 7),
+            "begin": jnp.full((B,), 3),
+        }
+    starts = None
+    if documents:
+        starts = jnp.zeros((B, T), bool).at[0, 11].set(True).at[1, 20].set(True)
+
+    def run(block, q, k, v):
+        return causal_attention(q, k, v, cache, window, starts, block=block)
+
+    whole, whole_cache = run(10**6, q, k, v)
+    blocks, blocks_cache = run(8, q, k, v)
+    np.testing.assert_allclose(blocks, whole, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(blocks_cache, whole_cache)
+    weights = jax.random.normal(jax.random.key(5), whole.shape)
+    loss = lambda block: lambda *qkv: jnp.sum(run(block, *qkv)[0] * weights)
+    expected = jax.grad(loss(10**6), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(8), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,13 @@ gives the result of one call; without a window every call attends within itself 
 Positions are encoded with rotary embeddings (RoPE). With document ``starts (B, T)`` a token
 attends within its own document only (RoPE is relative, so this equals the document alone); the
 cache keeps where the current document began, so a later call does not reach back across it.
+
+Beyond :data:`BLOCK` keys the scores are never held whole: :func:`attend_blockwise` scans over
+blocks of keys with an online softmax (the FlashAttention recurrence; Dao et al., "FlashAttention:
+Fast and Memory-Efficient Exact Attention with IO-Awareness", arXiv:2205.14135), each block's
+mask computed from positions and recomputed in the backward pass, so memory grows as
+``T x BLOCK`` instead of ``T x S``; ``tests/test_attention.py`` holds it equal to
+:func:`attend` in values and gradients.
 """
 
 from __future__ import annotations
@@ -55,14 +62,76 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
 
 
+BLOCK = 512  # keys per block of attend_blockwise; calls with more keys take that path
+
+
+def attend_blockwise(
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    allowed_of,
+    block: int = BLOCK,
+) -> jax.Array:
+    """:func:`attend` over blocks of ``block`` keys, never holding the ``(T, S)`` scores.
+
+    ``allowed_of(first) -> (B, T, block)`` bool: which queries see keys ``first ..
+    first + block - 1`` (keys past ``S`` must be refused; they are zero padding). Running
+    max ``m``, normaliser ``l`` and sum ``a`` per query, for each block ``j``:
+
+        m' = max(m, max_s z_s),  l = l e^{m - m'} + sum_s e^{z_s - m'},
+        a = a e^{m - m'} + sum_s e^{z_s - m'} v_s,          y = a / l,
+
+    with ``z_s = q . k_s / sqrt(d)`` over the allowed keys. ``y`` does not depend on ``m``, so
+    ``m`` is held constant for the gradient; each block is recomputed in the backward pass.
+    """
+    B, T, H, d = q.shape
+    S = keys.shape[1]
+    count = -(-S // block)
+    pad = count * block - S
+    blocks = [
+        jnp.moveaxis(
+            jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, count, block, H, d), 1, 0
+        )
+        for a in (keys, values)
+    ]
+    scale = 1.0 / jnp.sqrt(d).astype(q.dtype)
+    low = jnp.finfo(jnp.promote_types(q.dtype, jnp.float32)).min
+
+    @jax.checkpoint
+    def step(carry, inputs):
+        m, l, a = carry
+        first, k, v = inputs
+        allowed = allowed_of(first)[:, None]  # (B, 1, T, block)
+        z = jnp.einsum("bthd,bshd->bhts", q, k).astype(m.dtype) * scale
+        z = jnp.where(allowed, z, low)
+        new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(z, axis=-1)))
+        p = jnp.where(allowed, jnp.exp(z - new[..., None]), 0.0)
+        decay = jnp.exp(m - new)
+        l = l * decay + jnp.sum(p, axis=-1)
+        a = a * jnp.moveaxis(decay, 1, 2)[..., None]
+        a = a + jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v).astype(a.dtype)
+        return (new, l, a), None
+
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    start = (
+        jnp.full((B, H, T), low, dtype),
+        jnp.zeros((B, H, T), dtype),
+        jnp.zeros((B, T, H, d), dtype),
+    )
+    firsts = jnp.arange(count) * block
+    (_, l, a), _ = jax.lax.scan(step, start, (firsts, *blocks))
+    return (a / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
+
+
 def causal_attention(
-    q, k, v, cache: dict, window: int | None, starts=None
+    q, k, v, cache: dict, window: int | None, starts=None, block: int = BLOCK
 ) -> tuple[jax.Array, dict]:
     """Causal softmax attention of ``q, k, v (B, T, H, d)`` with RoPE and a sliding window.
 
     Token ``t`` attends to ``t - window + 1 .. t`` (every earlier token of the call when
     ``window`` is None), including the cached keys of the previous call, from the start of
     its document on (document ``starts (B, T)`` bool; the cache's ``begin`` before the first).
+    More than ``block`` keys (cached and new) run blockwise (:func:`attend_blockwise`).
     Returns ``(y (B, T, H, d), cache)``.
     """
     T = q.shape[1]
@@ -72,16 +141,22 @@ def causal_attention(
     past = cache["k"].shape[1]
     keys = jnp.concatenate([cache["k"].astype(k.dtype), k], axis=1)
     values = jnp.concatenate([cache["v"].astype(v.dtype), v], axis=1)
-    key_positions = start[:, None] + jnp.arange(-past, T)[None]
-    offset = positions[:, :, None] - key_positions[:, None, :]  # (B, T, past + T)
     begin = jnp.broadcast_to(cache["begin"][:, None], positions.shape)  # (B, T)
     if starts is not None:
         within = inner.document_begins(starts)
         begin = jnp.where(within > 0, start[:, None] + within, begin)
-    allowed = (offset >= 0) & (key_positions[:, None, :] >= begin[:, :, None])
-    if window is not None:
-        allowed &= offset < window
-    y = attend(q, keys, values, allowed[:, None])
+
+    def allowed_of(first, size):  # (B, T, size): may query t see key first + s?
+        key_positions = start[:, None] + first - past + jnp.arange(size)[None]
+        offset = positions[:, :, None] - key_positions[:, None, :]
+        allowed = (offset >= 0) & (key_positions[:, None, :] >= begin[:, :, None])
+        allowed &= (first + jnp.arange(size) < past + T)[None, None]  # not padding
+        return allowed if window is None else allowed & (offset < window)
+
+    if past + T > block:
+        y = attend_blockwise(q, keys, values, lambda first: allowed_of(first, block), block)
+    else:
+        y = attend(q, keys, values, allowed_of(0, past + T)[:, None])
     new_cache = {
         "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
         "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
