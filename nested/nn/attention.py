@@ -9,12 +9,13 @@ Positions are encoded with rotary embeddings (RoPE). With document ``starts (B, 
 attends within its own document only (RoPE is relative, so this equals the document alone); the
 cache keeps where the current document began, so a later call does not reach back across it.
 
-Beyond :data:`BLOCK` keys the scores are never held whole: :func:`attend_blockwise` scans over
-blocks of keys with an online softmax (the FlashAttention recurrence; Dao et al., "FlashAttention:
-Fast and Memory-Efficient Exact Attention with IO-Awareness", arXiv:2205.14135), each block's
-mask computed from positions and recomputed in the backward pass, so memory grows as
-``T x BLOCK`` instead of ``T x S``; ``tests/test_attention.py`` holds it equal to
-:func:`attend` in values and gradients.
+Beyond :data:`BLOCK` keys the scores are never held whole: :func:`attend_blockwise` runs
+blocks of queries over the blocks of keys they can reach, with an online softmax (the
+FlashAttention recurrence; Dao et al., "FlashAttention: Fast and Memory-Efficient Exact
+Attention with IO-Awareness", arXiv:2205.14135), each block's mask computed from positions and
+recomputed in the backward pass: memory grows as ``T x BLOCK`` instead of ``T x S``, work as
+``T x (BLOCK + window)`` or, without a window, half the causal square.
+``tests/test_attention.py`` holds it equal to :func:`attend` in values and gradients.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values)
 
 
-BLOCK = 512  # keys per block of attend_blockwise; calls with more keys take that path
+BLOCK = 512  # queries and keys per block of attend_blockwise; longer calls take that path
 
 
 def attend_blockwise(
@@ -70,13 +71,19 @@ def attend_blockwise(
     keys: jax.Array,
     values: jax.Array,
     allowed_of,
+    *,
+    past: int,
+    window: int | None,
     block: int = BLOCK,
 ) -> jax.Array:
-    """:func:`attend` over blocks of ``block`` keys, never holding the ``(T, S)`` scores.
+    """:func:`attend` by blocks of ``block`` queries and keys, never holding the scores whole.
 
-    ``allowed_of(first) -> (B, T, block)`` bool: which queries see keys ``first ..
-    first + block - 1`` (keys past ``S`` must be refused; they are zero padding). Running
-    max ``m``, normaliser ``l`` and sum ``a`` per query, for each block ``j``:
+    ``q (B, T, H, d)``, ``keys, values (B, S, H, d)``, query ``t`` being key ``past + t``;
+    ``allowed_of(t0, j0) -> (B, block, block)`` bool: may queries ``t0 ..`` see keys
+    ``j0 ..`` (queries past ``T`` are padding, keys past ``S`` must be refused). A query block
+    visits only the key blocks that causality and the ``window`` let it reach (``window`` keys
+    back: about ``1 + window / block`` blocks; without one, the blocks up to its diagonal).
+    Over the visited blocks, running max ``m``, normaliser ``l`` and sum ``a`` per query:
 
         m' = max(m, max_s z_s),  l = l e^{m - m'} + sum_s e^{z_s - m'},
         a = a e^{m - m'} + sum_s e^{z_s - m'} v_s,          y = a / l,
@@ -86,41 +93,58 @@ def attend_blockwise(
     """
     B, T, H, d = q.shape
     S = keys.shape[1]
-    count = -(-S // block)
-    pad = count * block - S
-    blocks = [
-        jnp.moveaxis(
-            jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, count, block, H, d), 1, 0
-        )
-        for a in (keys, values)
-    ]
+    query_blocks, key_blocks = -(-T // block), -(-S // block)
+    reach = key_blocks if window is None else -(-(block + window - 1) // block) + 1
+    reach = min(reach, key_blocks)
+
+    def blocked(x, count):  # (B, N, H, d) -> (count, B, block, H, d), zero padded
+        x = jnp.pad(x, ((0, 0), (0, count * block - x.shape[1]), (0, 0), (0, 0)))
+        return jnp.moveaxis(x.reshape(B, count, block, H, d), 1, 0)
+
+    qs = blocked(q, query_blocks)
+    ks, vs = blocked(keys, key_blocks + reach), blocked(values, key_blocks + reach)
     scale = 1.0 / jnp.sqrt(d).astype(q.dtype)
-    low = jnp.finfo(jnp.promote_types(q.dtype, jnp.float32)).min
-
-    @jax.checkpoint
-    def step(carry, inputs):
-        m, l, a = carry
-        first, k, v = inputs
-        allowed = allowed_of(first)[:, None]  # (B, 1, T, block)
-        z = jnp.einsum("bthd,bshd->bhts", q, k).astype(m.dtype) * scale
-        z = jnp.where(allowed, z, low)
-        new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(z, axis=-1)))
-        p = jnp.where(allowed, jnp.exp(z - new[..., None]), 0.0)
-        decay = jnp.exp(m - new)
-        l = l * decay + jnp.sum(p, axis=-1)
-        a = a * jnp.moveaxis(decay, 1, 2)[..., None]
-        a = a + jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v).astype(a.dtype)
-        return (new, l, a), None
-
     dtype = jnp.promote_types(q.dtype, jnp.float32)
-    start = (
-        jnp.full((B, H, T), low, dtype),
-        jnp.zeros((B, H, T), dtype),
-        jnp.zeros((B, T, H, d), dtype),
-    )
-    firsts = jnp.arange(count) * block
-    (_, l, a), _ = jax.lax.scan(step, start, (firsts, *blocks))
-    return (a / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
+    low = jnp.finfo(dtype).min
+
+    def query_block(inputs):
+        i, qi = inputs
+        t0 = i * block
+        lowest = 0 if window is None else jnp.maximum(t0 + past - window + 1, 0) // block
+        last = t0 + block - 1 + past  # the last key a query of the block can see
+
+        def visit(carry, r):
+            j0 = (lowest + r) * block
+
+            def update(carry):
+                m, l, a = carry
+                k, v = ks[lowest + r], vs[lowest + r]
+                allowed = allowed_of(t0, j0)[:, None]  # (B, 1, block, block)
+                z = jnp.einsum("bthd,bshd->bhts", qi, k).astype(dtype) * scale
+                z = jnp.where(allowed, z, low)
+                new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(z, axis=-1)))
+                p = jnp.where(allowed, jnp.exp(z - new[..., None]), 0.0)
+                decay = jnp.exp(m - new)
+                l = l * decay + jnp.sum(p, axis=-1)
+                a = a * jnp.moveaxis(decay, 1, 2)[..., None]
+                a = a + jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v).astype(dtype)
+                return new, l, a
+
+            needed = (j0 <= last) & (j0 < S)
+            return jax.lax.cond(needed, update, lambda carry: carry, carry), None
+
+        start = (
+            jnp.full((B, H, block), low, dtype),
+            jnp.zeros((B, H, block), dtype),
+            jnp.zeros((B, block, H, d), dtype),
+        )
+        (_, l, a), _ = jax.lax.scan(jax.checkpoint(visit), start, jnp.arange(reach))
+        l = jnp.where(l > 0, l, 1.0)  # padding queries (past T) may see nothing
+        return a / jnp.moveaxis(l, 1, 2)[..., None]
+
+    ys = jax.lax.map(query_block, (jnp.arange(query_blocks), qs))  # (blocks, B, block, H, d)
+    y = jnp.moveaxis(ys, 0, 1).reshape(B, query_blocks * block, H, d)[:, :T]
+    return y.astype(q.dtype)
 
 
 def causal_attention(
@@ -146,17 +170,27 @@ def causal_attention(
         within = inner.document_begins(starts)
         begin = jnp.where(within > 0, start[:, None] + within, begin)
 
-    def allowed_of(first, size):  # (B, T, size): may query t see key first + s?
-        key_positions = start[:, None] + first - past + jnp.arange(size)[None]
-        offset = positions[:, :, None] - key_positions[:, None, :]
-        allowed = (offset >= 0) & (key_positions[:, None, :] >= begin[:, :, None])
-        allowed &= (first + jnp.arange(size) < past + T)[None, None]  # not padding
+    def allowed_of(t0, j0, queries, size):  # (B, queries, size): may query t0 + t see key j0 + s?
+        at = jnp.minimum(t0 + jnp.arange(queries), T - 1)  # padding queries: as the last one
+        query_positions, query_begin = positions[:, at], begin[:, at]
+        key_positions = start[:, None] + j0 - past + jnp.arange(size)[None]
+        offset = query_positions[:, :, None] - key_positions[:, None, :]
+        allowed = (offset >= 0) & (key_positions[:, None, :] >= query_begin[:, :, None])
+        allowed &= (j0 + jnp.arange(size) < past + T)[None, None]  # not padding
         return allowed if window is None else allowed & (offset < window)
 
     if past + T > block:
-        y = attend_blockwise(q, keys, values, lambda first: allowed_of(first, block), block)
+        y = attend_blockwise(
+            q,
+            keys,
+            values,
+            lambda t0, j0: allowed_of(t0, j0, block, block),
+            past=past,
+            window=window,
+            block=block,
+        )
     else:
-        y = attend(q, keys, values, allowed_of(0, past + T)[:, None])
+        y = attend(q, keys, values, allowed_of(0, 0, T, past + T)[:, None])
     new_cache = {
         "k": keys[:, keys.shape[1] - past :].astype(cache["k"].dtype),
         "v": values[:, values.shape[1] - past :].astype(cache["v"].dtype),
