@@ -1,8 +1,8 @@
 """Serve a trained run as an Agent Companion: ``python experiments/serve.py --workdir DIR``.
 
-Loads the latest checkpoint of ``--workdir`` (slow weights frozen) and serves one learning
-fast-weight memory per agent over HTTP on ``--host``:``--port`` (default loopback), the
-states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); with
+Loads the latest checkpoint of ``--workdir`` (``--step``: that one; slow weights frozen) and
+serves one learning fast-weight memory per agent over HTTP on ``--host``:``--port`` (default
+loopback), the states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); with
 ``--api_key_file`` every request but ``/health`` and the docs needs ``Authorization: Bearer
 <the file's key>``. Before serving, every bucket size a request can make is compiled, cheapest
 first, for at most ``--warm_s`` seconds; the startup line says how many and how long. A store
@@ -40,6 +40,12 @@ _OTHER_STEPS = flags.DEFINE_enum(
     "Agents stored by the slow weights of another step (the run trained on since): serve "
     "them on these weights, or refuse them (409). Export works either way.",
 )
+_STEP = flags.DEFINE_integer(
+    "step",
+    None,
+    "Serve the checkpoint of this step (default: the latest), e.g. the one that wrote the "
+    "stored agents; the steps a store needs are kept from rotation by more training.",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -70,6 +76,7 @@ def main(argv):
             companion = engine.Companion.open(
                 _WORKDIR.value,
                 _STORE.value,
+                step=_STEP.value,
                 max_batch=_MAX_BATCH.value,
                 other_steps=_OTHER_STEPS.value,
             )

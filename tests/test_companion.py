@@ -10,6 +10,7 @@ import http.client
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -31,6 +32,7 @@ from nested.companion.server import MAX_BODY
 from nested.companion.store import SQLiteStore
 from nested.run import config as nc
 from nested.run import loading, train
+from nested.run.checkpoint import CheckpointError
 from nested.run.loading import Trained
 from nested.run.locks import Busy
 
@@ -431,6 +433,40 @@ def chunked(server, path, chunks, *, key=KEY, end=True):
         response = http.client.HTTPResponse(s)
         response.begin()
         return response.status, json.loads(response.read())
+
+
+def test_the_steps_a_store_needs_survive_more_training_and_serve_with_step(workdir, tmp_path):
+    """A store pins the checkpoints of the steps that wrote its agents: training on with
+    ``keep_checkpoints=1`` keeps them, and ``serve.py --step`` serves those weights (the real
+    server process), where the latest step serves them on with a note."""
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    store = tmp_path / "agents.sqlite"
+    first = Companion.open(run, store)
+    written = json.loads(first.fingerprint)["step"]
+    first.observe({"a": tokens(1)})
+    first.store.close()
+    more = {"train__steps": 2 * written, "train__keep_checkpoints": 1}
+    train.train_and_evaluate(tiny_configs.config("companion", **more), run)
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [written, 2 * written]  # kept: pinned; without the pin only the latest
+    with pytest.raises(CheckpointError, match=rf"no checkpoint of step 3 in .*\[{written}, "):
+        Companion.open(run, tmp_path / "other.sqlite", step=3)
+    served = ServerProcess(run, store, step=written)
+    try:
+        status, body = served.client.request("GET", "/health")
+        assert status == 200 and body["fingerprint"]["step"] == written
+        assert served.notes == []  # the agents' own weights: nothing to say
+        status, _ = served.client.request("POST", "/agents/a/observe", {"tokens": tokens(2)})
+        assert status == 200
+    finally:
+        served.stop()
+    latest = Companion.open(run, store)
+    assert latest.other_writers() == [
+        f"1 agent(s) written by the slow weights of step {written}: served on those of step "
+        f"{2 * written} (--other_steps=refuse refuses them)"
+    ]
+    latest.store.close()
 
 
 def test_the_key_is_checked_before_the_body_is_read(server):

@@ -102,8 +102,9 @@ class ServerProcess:
     """``experiments/serve.py --workdir workdir --store store`` on ``127.0.0.1`` and a free
     port, started and waited for (``timeout`` seconds) until ``/health`` answers (any status:
     a damaged store answers 503); ``client`` talks to it, ``started`` is the line the server
-    printed when it began serving (how long warming took). ``warm_s``: the server's
-    ``--warm_s`` (0 here: a test starts many servers and needs no warm buckets)."""
+    printed when it began serving (how long warming took), ``notes`` the lines before it.
+    ``warm_s``: the server's ``--warm_s`` (0 here: a test starts many servers and needs no
+    warm buckets); ``step``: its ``--step``."""
 
     def __init__(
         self,
@@ -113,6 +114,7 @@ class ServerProcess:
         api_key_file: str | Path | None = None,
         max_batch: int = 256,
         warm_s: float = 0.0,
+        step: int | None = None,
         timeout: float = 180.0,
     ):
         self.port, self.store = free_port(), Path(store)
@@ -127,6 +129,9 @@ class ServerProcess:
         ]
         if api_key_file is not None:
             command.append(f"--api_key_file={api_key_file}")
+        if step is not None:
+            command.append(f"--step={step}")
+        self.notes: list[str] = []
         key = None if api_key_file is None else Path(api_key_file).read_text().strip()
         self.client = Client(f"http://127.0.0.1:{self.port}", key)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -145,6 +150,7 @@ class ServerProcess:
                 self.started = line.decode().strip()
                 if self.started.startswith("serving "):
                     return
+                self.notes.append(self.started)
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"the server did not answer /health within {timeout} s")
 

@@ -45,6 +45,7 @@ always works, whoever wrote the state: a user's data is never held hostage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -203,20 +204,51 @@ class Companion:
         self._recall = jax.jit(self._recall_fn)
 
     @classmethod
-    def open(cls, workdir: str | Path, store: Store | str | Path | None = None, **kwargs):
-        """The companion of the run trained in ``workdir`` (its latest checkpoint), with the
-        SQLite store at ``store`` (default ``<workdir>/companion.sqlite``) or a given
-        :class:`Store`."""
+    def open(
+        cls,
+        workdir: str | Path,
+        store: Store | str | Path | None = None,
+        *,
+        step: int | None = None,
+        **kwargs,
+    ):
+        """The companion of the run trained in ``workdir`` (its latest checkpoint; ``step``:
+        that one), with the SQLite store at ``store`` (default ``<workdir>/companion.sqlite``)
+        or a given :class:`Store`. The checkpoints of the served step and of every step that
+        wrote a stored agent are pinned (:func:`nested.run.checkpoint.pin`): more training
+        keeps them, so ``step`` can serve the weights that wrote the agents."""
+        from nested.run import checkpoint
         from nested.run.loading import load_trained
+        from nested.run.train import CHECKPOINTS
 
         if store is None or isinstance(store, str | Path):  # first: a busy store fails fast
             store = SQLiteStore(store or Path(workdir) / "companion.sqlite")
         try:
-            return cls(load_trained(workdir), store, **kwargs)
+            companion = cls(load_trained(workdir, step), store, **kwargs)
         except BaseException:
             if isinstance(store, SQLiteStore):
                 store.close()
             raise
+        if isinstance(store, SQLiteStore):
+            checkpoint.pin(Path(workdir) / CHECKPOINTS, companion.pin_name, companion.steps())
+        return companion
+
+    @property
+    def pin_name(self) -> str:
+        """The name this store's pin of checkpoints goes by (from the store's file)."""
+        where = str(Path(self.store.path).resolve())
+        return "companion-" + hashlib.sha256(where.encode()).hexdigest()[:12]
+
+    def steps(self) -> set[int]:
+        """The slow-weights steps this companion needs kept: the served one, and those of
+        the stored agents of this architecture."""
+        ours = json.loads(self.fingerprint)
+        steps = {int(ours["step"])}
+        for fingerprint in self.store.writers():
+            theirs = _fingerprint(fingerprint)
+            if theirs.get("architecture") == ours["architecture"] and "step" in theirs:
+                steps.add(int(theirs["step"]))
+        return steps
 
     def other_writers(self) -> list[str]:
         """One line per group of stored agents written by another model or slow-weights step

@@ -8,7 +8,10 @@ fingerprint (below) and what else the caller saves with it (``extra``: the train
 unfinished log window).
 
 * **Periodic, kept K**: ``save`` writes at multiples of ``every`` (or when forced) and keeps
-  the ``keep`` latest.
+  the ``keep`` latest, and every step *pinned* in ``<directory>/pins/*.json`` (:func:`pin`:
+  a companion store pins the steps its agents were written by, so that more training does
+  not delete the weights that serve them; read at every deletion, so a running training
+  sees a pin made since it started).
 * **Async**: ``save`` returns once the arrays are copied; files are written in a background
   thread; ``close`` waits for them.
 * **Atomic**: orbax writes a step into a temporary folder and renames it when complete, so a
@@ -151,6 +154,45 @@ def _collect_abandoned_reads() -> None:
         sys.unraisablehook = hook
 
 
+PINS = "pins"
+
+
+def pin(directory: str | Path, name: str, steps) -> None:
+    """Keep ``steps`` of the checkpoints in ``directory`` from rotation, on behalf of ``name``
+    (one file per name, replaced atomically; no steps: the pin is removed)."""
+    folder = Path(directory) / PINS
+    path = folder / f"{name}.json"
+    if not steps:
+        path.unlink(missing_ok=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_name(path.name + ".tmp")
+    fresh.write_text(json.dumps({"steps": sorted(int(s) for s in steps)}))
+    os.replace(fresh, path)
+
+
+def pinned(directory: str | Path) -> set[int]:
+    """Every step pinned in ``directory`` (:func:`pin`); unreadable pin files count as none."""
+    steps: set[int] = set()
+    for path in sorted((Path(directory) / PINS).glob("*.json")):
+        try:
+            steps.update(int(s) for s in json.loads(path.read_text())["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            logging.warning("checkpoint pin %s is unreadable; ignored", path)
+    return steps
+
+
+class _Pinned(_policies.PreservationPolicy):
+    """Orbax preservation: keep the steps :func:`pinned` in ``directory`` (read each time)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def should_preserve(self, checkpoints, *, context):
+        steps = pinned(self.directory)
+        return [info.step in steps for info in checkpoints]
+
+
 class Checkpointer:
     """Periodic, async, atomic checkpoints of a run in ``directory`` (see the module doc).
 
@@ -172,7 +214,9 @@ class Checkpointer:
             self._set_aside(step, f"no {_ORBAX_METADATA}: empty or incomplete")
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=_policies.FixedIntervalPolicy(every),
-            preservation_policy=_policies.LatestN(keep),
+            preservation_policy=_policies.AnyPreservationPolicy(
+                [_policies.LatestN(keep), _Pinned(self.directory)]
+            ),
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
         )
@@ -208,13 +252,23 @@ class Checkpointer:
         )
         return self._manager.save(int(step), args=args, force=force)
 
-    def restore_latest(self, like) -> Restored | None:
+    def restore_latest(self, like, step: int | None = None) -> Restored | None:
         """The newest readable checkpoint, restored into the structure of ``like`` (e.g. a
         freshly initialised state), or None if there is none. Damaged steps are reported,
         set aside and skipped; a checkpoint of another model raises :class:`CheckpointError`.
+        ``step``: that checkpoint only (a :class:`CheckpointError` naming the steps there if
+        it is absent; None if it is damaged).
         """
         expected = signature(like)
-        for step in sorted(self._manager.all_steps(), reverse=True):
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(
+                    f"no checkpoint of step {step} in {self.directory}; steps there: "
+                    f"{sorted(steps)}"
+                )
+            steps = [step]
+        for step in steps:  # noqa: B020 - the loop variable replaces the argument on purpose
             meta = self._attempt(step, meta=ocp.args.JsonRestore())
             if meta is None:
                 continue

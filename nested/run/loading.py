@@ -41,11 +41,12 @@ class Trained(NamedTuple):
         return fingerprint.of(self.config, self.step)
 
 
-def load_trained(workdir: str | Path) -> Trained:
+def load_trained(workdir: str | Path, step: int | None = None) -> Trained:
     """The run trained in ``workdir``: its config and the state of its latest readable
-    checkpoint (slow parameters, optimizer state, carried fast states, step, RNG)."""
+    checkpoint (``step``: that one) (slow parameters, optimizer state, carried fast states,
+    step, RNG)."""
     experiment = config_lib.build(train.load_workdir_config(workdir))
-    restored = train.restore_latest(experiment, train.check_run(workdir))
+    restored = train.restore_latest(experiment, train.check_run(workdir), step=step)
     return Trained(experiment, restored.state, restored.step)
 
 

@@ -452,17 +452,19 @@ def _check_same_config(config: config_dict.ConfigDict, workdir: Path) -> None:
 
 
 def restore_latest(
-    exp: Experiment, directory: Path, layout: sharding.Layout | None = None
+    exp: Experiment, directory: Path, layout: sharding.Layout | None = None, step=None
 ) -> checkpoint.Restored:
-    """The latest readable checkpoint of ``directory`` restored into the state of ``exp``
-    (on ``layout``'s shardings when given); raises :class:`nested.run.checkpoint.CheckpointError`
-    when none is readable (damaged ones are set aside, as the checkpointer does)."""
+    """The latest readable checkpoint of ``directory`` (``step``: that one) restored into the
+    state of ``exp`` (on ``layout``'s shardings when given); raises
+    :class:`nested.run.checkpoint.CheckpointError` when none is readable (damaged ones are
+    set aside, as the checkpointer does)."""
     cfg = exp.config.train
     every, keep = cfg.checkpoint_every, cfg.keep_checkpoints
     with checkpoint.Checkpointer(directory, every=every, keep=keep) as ckpt:
-        restored = ckpt.restore_latest(init_state(exp, layout))
+        restored = ckpt.restore_latest(init_state(exp, layout), step)
     if restored is None:
-        raise checkpoint.CheckpointError(f"no readable checkpoint in {directory}")
+        which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
+        raise checkpoint.CheckpointError(f"no {which} in {directory}")
     return restored
 
 
