@@ -213,11 +213,14 @@ class MemoryLM(nnx.Module):
         # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
         # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
-        run = lambda block, x, state, starts: block(x, state, starts)
-        if self.remat != "none":
-            run = nnx.remat(run, policy=REMAT[self.remat])
         states = []
         for block, state in zip(self.blocks, fast, strict=True):
-            x, state = run(block, x, state, starts)
+            if self.remat == "none":
+                x, state = block(x, state, starts)
+            else:  # a pure function of the block's variables: nothing is written back
+                graph, variables = nnx.split(block)
+                run = lambda v, x, s, starts, graph=graph: nnx.merge(graph, v)(x, s, starts)
+                run = jax.checkpoint(run, policy=REMAT[self.remat])
+                x, state = run(variables, x, state, starts)
             states.append(state)
         return self.head(self.norm(x)), tuple(states)
