@@ -537,15 +537,24 @@ def plasticity_section(results, workdir: Path) -> list[str]:
 
 
 def companion_section(results, workdir: Path) -> list[str]:
-    """The "Agent companion" section's lines (``companion_study.json`` of the companion rows)."""
+    """The "Agent companion" section's lines (``companion_study.json`` of the companion rows):
+    the per-session table of every method, the bytes of each, the logistic learner's tuning,
+    and the variants' table (:func:`companion_variants_table`)."""
     out = [
         "## Agent companion",
         "",
         "`configs/companion.py` trained on training agents, then `experiments/companion_study.py`"
         " on held-out agents (another seed): each method sees the same events session by "
         "session and answers the same queries after each session (`nested.companion.study`). "
-        "Retrieval memories encode inputs with the trained model's token embeddings; `knn` "
-        "keeps as many (input, answer) pairs as the companion's fast state has bytes. "
+        "The companion's fast state sets the bytes per agent every equal-bytes baseline is held "
+        "to: `knn`/`knn_recency` keep as many (input, answer) pairs with 64-dim keys (the "
+        "trained model's token embeddings, averaged and normalised) as fit; `raw_overlap` "
+        "keeps raw events (feature ids and answer, a byte each: every event fits) and answers "
+        "with the stored event sharing the most feature ids, the most recent among ties; "
+        "`logistic` is multinomial logistic regression on the one-hot features trained online "
+        "(one SGD step per event, learning rate tuned on training agents only); `votes` counts "
+        "answers per feature and answers the label of most summed counts. `knn_unbounded` "
+        "keeps every pair, `oracle` refits logistic regression offline on every event seen. "
         "Accuracy (%) on novel queries (inputs the agent never showed) after each session, "
         "mean and 95% bootstrap interval over agents; the rule drifts at the session marked "
         "*; rare facts are rule-breaking answers shown once at the start; stale: queries "
@@ -582,17 +591,84 @@ def companion_section(results, workdir: Path) -> list[str]:
             ]
             out.append("| " + " | ".join([method, *cells]) + " |")
         size, latency = result["bytes"], result["latency"]
+        each = size.get("methods", {})
+        listed = ", ".join(f"`{m}` {b}" for m, b in each.items() if m != "companion")
         out += [
             "",
             f"Bytes per agent: {size['companion']} (the companion's fast state; `knn` keeps "
-            f"{size['knn_capacity']} pairs in as many). Latency of the service's calls at "
+            f"{size['knn_capacity']} pairs in as many"
+            + (f", `raw_overlap` {size['raw_capacity']} events" if "raw_capacity" in size else "")
+            + (f"; each method's memory: {listed}" if listed else "")
+            + "). Latency of the service's calls at "
             f"{latency['agents']} agents at once (in process, median): observe "
             f"{1e3 * latency['observe_s']:.0f} ms, recall {1e3 * latency['recall_s']:.0f} ms.",
-            "",
-            f"* {_commands(record)}",
-            "",
         ]
+        if "tuning" in result:
+            tuning = result["tuning"]
+            tried = ", ".join(f"{float(lr):g}: {e:.1f}" for lr, e in tuning["errors"].items())
+            out += [
+                "",
+                f"`logistic`'s learning rate: {tuning['lr']:g}, the fewest test-then-train "
+                f"errors per agent's life over {tuning['agents']} training agents (the training "
+                f"seed; held-out agents never reach the tuner): {tried}.",
+            ]
+        out += ["", *companion_variants_table(result), f"* {_commands(record)}", ""]
     return out
+
+
+def _points(interval: dict | None, percent: bool = False) -> str:
+    """``+m [+lo, +hi]`` x100: points to a tenth, or a percentage (``percent``); ``—`` for
+    None."""
+    if interval is None:
+        return "—"
+    m, lo, hi = (100 * interval[k] for k in ("mean", "low", "high"))
+    if percent:
+        return f"{m:+.0f}% [{lo:+.0f}, {hi:+.0f}]"
+    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def companion_variants_table(result: dict) -> list[str]:
+    """The variants' lines of a companion study: per variant, each method's novel accuracy
+    averaged over the sessions, the companion's advantage over `knn` and over the best
+    equal-bytes baseline, and the share of the standard agents' advantage that survives;
+    nothing for a study without variants."""
+    variants = result.get("variants")
+    if not variants:
+        return []
+    methods = list(next(iter(variants.values()))["novel"])
+    head = ["variant", "k", "rule", *methods, "companion − knn", "companion − best (which)"]
+    head += ["survives vs knn", "survives vs best"]
+    out = [
+        "Held-out agents unlike the training agents, the same trained model and baselines "
+        "(`--variants`): `k2`/`k4` 2 and 4 features per input instead of 3; `one_feature` "
+        "the same votes with weights 2^rank, so the input's highest-ranked feature decides "
+        "alone; `pairs` every feature pair votes for a label (no linear map of the one-hot "
+        "features computes it). Novel accuracy (%) averaged over the sessions, mean and 95% "
+        "bootstrap interval over agents; companion − m: the paired difference in points; best: "
+        "the equal-bytes baseline (`knn`, `knn_recency`, `raw_overlap`, `logistic`, `votes`) "
+        "of the highest accuracy in that variant; survives: the advantage over that method "
+        "as a share of the standard agents' (— where the companion has none there), "
+        "resampled in pairs of agents.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, row in variants.items():
+        best = row["best"]
+        cells = [name, str(row["task"]["features_per_input"]), row["task"]["rule_kind"]]
+        cells += [
+            f"{100 * v['mean']:.1f} [{100 * v['low']:.0f}, {100 * v['high']:.0f}]"
+            for v in row["novel"].values()
+        ]
+        cells += [_points(row["advantage"]["knn"]), f"{_points(row['advantage'][best])} ({best})"]
+        survives = row.get("survives")
+        cells += (
+            ["(reference)", "(reference)"]
+            if survives is None
+            else [_points(survives["knn"], True), _points(survives[best], True)]
+        )
+        out.append("| " + " | ".join(cells) + " |")
+    return [*out, ""]
 
 
 LM_CURVES = "benchmarks/figures/lm_real_text.png"  # committed beside RESULTS.md

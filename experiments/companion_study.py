@@ -2,9 +2,13 @@
 
 Deploys the trained companion run of ``--workdir`` (``configs/companion.py``) on held-out
 agents (its task with ``--agent_seed`` added to the seed) and compares its learning memory
-with retrieval memories at equal bytes, an unbounded store, no memory and a per-agent offline
-oracle, session by session; writes ``DIR/companion_study.json`` and prints the headline
-figures. Everything is in ``nested.companion.study``.
+with retrieval memories (embedding keys and raw events) and online learners of the task's own
+hypothesis class (logistic regression, its learning rate tuned on training agents, and vote
+counts), all at equal bytes, an unbounded store, no memory and a per-agent offline oracle,
+session by session; then on held-out agents whose rule differs in kind (``--variants``: 2 or 4
+features per input, one feature deciding alone, answers of feature pairs). Writes
+``DIR/companion_study.json`` and prints the headline figures. Everything is in
+``nested.companion.study``.
 """
 
 import json
@@ -26,11 +30,23 @@ _QUERIES = flags.DEFINE_integer("queries", _DEFAULTS.queries, "Novel queries per
 _LATENCY = flags.DEFINE_integer(
     "latency_agents", _DEFAULTS.latency_agents, "Agents per call in the latency measurement."
 )
+_VARIANTS = flags.DEFINE_list(
+    "variants",
+    list(_DEFAULTS.variants),
+    "Held-out agents of other rules: some of k2, k4, one_feature, pairs (empty: none).",
+)
+_TUNE_AGENTS = flags.DEFINE_integer(
+    "tune_agents", _DEFAULTS.tune_agents, "Training agents the logistic learner's lr is tuned on."
+)
 flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
     del argv
+    known = [v for v in study.VARIANTS if v != "standard"]
+    unknown = [v for v in _VARIANTS.value if v not in known]
+    if unknown:
+        sys.exit(f"error: --variants={','.join(_VARIANTS.value)}: unknown {unknown}; use {known}")
     with cli.user_errors():
         trained = loading.load_trained(_WORKDIR.value)
         if not isinstance(trained.experiment.task, CompanionTask):
@@ -44,9 +60,11 @@ def main(argv):
             agent_seed=_AGENT_SEED.value,
             queries=_QUERIES.value,
             latency_agents=_LATENCY.value,
+            tune_agents=_TUNE_AGENTS.value,
+            variants=tuple(_VARIANTS.value),
         )
-        sessions = trained.experiment.task.sessions
-        total = sessions * (trained.experiment.task.session_length + 1)
+        task = trained.experiment.task
+        total = (1 + len(settings.variants)) * task.sessions * (task.session_length + 1)
         with tqdm(total=total, unit="step", file=sys.stderr, disable=None) as bar:
             result = study.run(trained, settings, progress=bar.update)
         out = Path(_WORKDIR.value) / "companion_study.json"

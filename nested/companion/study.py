@@ -1,4 +1,4 @@
-"""Is a learning memory worth it? The companion against retrieval memories on held-out agents.
+"""Is a learning memory worth it? The companion against other memories on held-out agents.
 
 Every method sees the same held-out agents of a :class:`nested.data.CompanionTask` (another
 seed than training's: the slow weights never saw them), the same events session by session,
@@ -6,17 +6,31 @@ and answers the same queries after each session:
 
 * ``companion``: the trained model, slow weights frozen, one fast state per agent carried from
   session to session (what the service runs: :class:`nested.companion.engine.Companion`
-  computes the same function);
+  computes the same function); its fast state's bytes are the **budget** B every equal-bytes
+  baseline is held to;
 * ``no_memory``: the same model answering every query from the learned initial state;
 * ``knn``: a nearest-neighbour store of past (input, answer) pairs at **equal bytes** per agent
-  (as many entries as the companion's fast state has bytes; the oldest evicted), the answer a
-  top-k vote weighted by similarity; ``knn_recency``: and by recency; ``knn_unbounded``:
-  every pair kept.
-  Inputs are encoded by the same frozen encoder: the trained model's token embeddings,
-  averaged over the input's tokens and normalised;
+  (``B // (4 d + 4)`` pairs of a float32 key and an int32 answer; the oldest evicted), the
+  answer a top-k vote weighted by similarity; ``knn_recency``: and by recency;
+  ``knn_unbounded``: every pair kept. Inputs are encoded by the same frozen encoder: the
+  trained model's token embeddings (d of them), averaged over the input's tokens and
+  normalised;
+* ``raw_overlap``: a store of the raw events at equal bytes (each event's k feature ids and
+  its answer, one byte each while F, L <= 256: ``(B - 4) // (k + 1)`` events and a write
+  counter, so it holds every event an agent shows), answering with the stored event sharing
+  the most feature ids with the query, the most recent among ties (:class:`RawRetrieval`);
+* ``logistic``: an online learner of the task's own hypothesis class, multinomial logistic
+  regression on the one-hot features, one SGD step per event (:class:`OnlineLogistic`), its
+  learning rate the best of ``Settings.lr_grid`` on **training** agents
+  (:func:`tune_learning_rate`; the held-out agents never reach the tuner);
+* ``votes``: per-feature vote counts, the answer the label of most summed counts
+  (:class:`VoteCounter`);
 * ``oracle``: per agent, a multinomial logistic regression on the one-hot features of every
   event observed so far, fitted offline (the right hypothesis class, all the data at once;
   in the test-then-train regret refitted once a sequence).
+
+``logistic`` and ``votes`` are the whole of their hypothesis class in fewer bytes than B
+(:func:`method_bytes`): more bytes would not change them.
 
 Per session: accuracy on **novel** queries (inputs the agent never showed, answered by the rule
 of that session), on the **rare facts** (shown once at the start), the rate of **stale**
@@ -25,14 +39,24 @@ test-then-train **regret** (errors on the session's events, each predicted befor
 observed); then the sessions to **recover** after the drift (the first session whose novel
 accuracy is back to 90% of the last one before it), bytes per agent and latencies of the
 service at ``agents`` agents. Intervals are 95% bootstrap intervals over agents.
+
+**Variants** (``Settings.variants``): the same trained model and baselines on held-out agents
+whose rule differs in kind from training's (:data:`VARIANTS`, built at study time by
+:class:`VariantTask`): 2 or 4 features per input instead of 3, a rule where one feature decides
+alone, answers that depend on feature pairs. Per variant: each method's novel accuracy averaged
+over the sessions, the companion's advantage ``a_m = acc_companion - acc_m`` over each method
+(paired over agents), and the share of the standard agents' advantage that survives,
+``a_m(variant) / a_m(standard)``, each with a bootstrap interval over agents (the variants'
+agents are the standard ones' rows, so the ratio is resampled in pairs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -42,10 +66,33 @@ from flax import nnx
 
 from nested.companion.engine import Companion, agent_bytes
 from nested.companion.store import SQLiteStore
+from nested.data import CompanionTask
+from nested.data.batch import rng_for
+from nested.data.companion import Agent
 from nested.plasticity.deployment import Deployment
 from nested.plasticity.regret import bootstrap_ci
 
-METHODS = ("companion", "knn", "knn_recency", "knn_unbounded", "no_memory", "oracle")
+METHODS = (
+    "companion",
+    "knn",
+    "knn_recency",
+    "knn_unbounded",
+    "raw_overlap",
+    "logistic",
+    "votes",
+    "no_memory",
+    "oracle",
+)
+EQUAL_BYTES = ("knn", "knn_recency", "raw_overlap", "logistic", "votes")  # held to B bytes
+# Held-out agents whose rule differs in kind from training's: the task's fields they change.
+VARIANTS = {
+    "standard": {},
+    "k2": {"features_per_input": 2},
+    "k4": {"features_per_input": 4},
+    "one_feature": {"rule_kind": "one_feature"},
+    "pairs": {"rule_kind": "pairs"},
+}
+RULE_KINDS = ("linear", "one_feature", "pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +105,105 @@ class Settings:
     recency: float = 32.0  # knn_recency: also times exp(-age / recency), age in events
     latency_agents: int = 256
     latency_runs: int = 5
+    lr_grid: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0)  # logistic's, tuned on training
+    tune_agents: int = 32  # training agents (rows of the training seed) the tuner sees
+    variants: tuple[str, ...] = ("k2", "k4", "one_feature", "pairs")  # of VARIANTS
 
 
 def _one_hot(task, inputs: np.ndarray) -> np.ndarray:
     out = np.zeros((*inputs.shape[:-1], task.num_features))
     np.put_along_axis(out, inputs, 1.0, axis=-1)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantTask(CompanionTask):
+    """The companion task with a rule of another kind, for held-out agents at study time only
+    (training never builds one; ``nested.data.companion`` is unchanged). ``rule_kind``:
+
+    * ``"linear"``: the task's own rule, ``answer(x) = argmax_c sum_{f in x} W[c, f]``;
+    * ``"one_feature"``: the task's agent with each feature's weight replaced by ``2^r_f``,
+      ``r_f`` the rank of its weight among the agent's features (votes unchanged, the drift
+      moves the same votes): ``2^r > sum_{q < r} 2^q``, so the input's feature of highest
+      rank decides alone, whatever the others vote;
+    * ``"pairs"``: every unordered pair ``f < g`` votes for a label ``c_fg`` with a weight
+      ``w_fg ~ U[0.5, 1.5]`` (drawn per agent from ``(seed, "pairs/<index>", row)``), and
+      ``answer(x) = argmax_c sum_{f < g in x} w_fg [c_fg = c]``: a rule ``(L, F, F)`` (upper
+      triangle) that no linear map of the one-hot features computes; the drift moves
+      ``drift_fraction`` of the pairs' votes.
+
+    Facts keep the task's inputs; their answers break the variant's rule (``one_feature``: the
+    task's answer, moved one label on where it equals the rule's; ``pairs``: a label drawn
+    among the others, as the task draws them).
+    """
+
+    rule_kind: str = "linear"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rule_kind not in RULE_KINDS:
+            raise ValueError(f"rule_kind: {self.rule_kind!r}; use one of {RULE_KINDS}")
+        if self.rule_kind == "pairs" and self.features_per_input < 2:
+            raise ValueError("rule_kind='pairs' needs features_per_input >= 2")
+
+    def answers(self, rule: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+        """Labels of ``inputs`` ``(..., k)``: a linear rule ``(L, F)`` as the task's, a pair
+        rule ``(L, F, F)`` summed over the input's pairs."""
+        if rule.ndim == 2:
+            return super().answers(rule, inputs)
+        i, j = np.triu_indices(inputs.shape[-1], k=1)
+        low = np.minimum(inputs[..., i], inputs[..., j])
+        high = np.maximum(inputs[..., i], inputs[..., j])
+        return np.argmax(rule[:, low, high].sum(axis=-1), axis=0)
+
+    def agent(self, row: int, index: int = 0) -> Agent:
+        return self._variant_agent(int(row), int(index))
+
+    @functools.cache  # noqa: B019 - frozen dataclass: the cache lives as long as the task
+    def _variant_agent(self, row: int, index: int) -> Agent:
+        base = super().agent(row, index)
+        L, F = self.num_labels, self.num_features
+        if self.rule_kind == "linear":
+            return base
+        if self.rule_kind == "one_feature":
+            votes, moved = base.rule.argmax(axis=0), base.drifted.argmax(axis=0)
+            decisive = 2.0 ** np.argsort(np.argsort(base.rule.max(axis=0)))
+            rule, drifted = np.zeros((L, F)), np.zeros((L, F))
+            rule[votes, np.arange(F)] = decisive
+            drifted[moved, np.arange(F)] = decisive
+            by_rule = self.answers(rule, base.facts)
+            facts = np.where(base.fact_answers == by_rule, (by_rule + 1) % L, base.fact_answers)
+            return Agent(rule, drifted, base.facts, facts)
+        rng = rng_for(self.seed, f"pairs/{index}", row)
+        low, high = np.triu_indices(F, k=1)
+        votes, weights = rng.integers(0, L, low.size), rng.uniform(0.5, 1.5, low.size)
+        moved = rng.permutation(low.size)[: round(self.drift_fraction * low.size)]
+        changed = votes.copy()
+        changed[moved] = (votes[moved] + 1 + rng.integers(0, L - 1, moved.size)) % L
+        rule, drifted = np.zeros((L, F, F)), np.zeros((L, F, F))
+        rule[votes, low, high] = weights
+        drifted[changed, low, high] = weights
+        by_rule = self.answers(rule, base.facts)
+        facts = (by_rule + 1 + rng.integers(0, L - 1, size=by_rule.shape)) % L
+        return Agent(rule, drifted, base.facts, facts)
+
+
+def held_out(base: CompanionTask, settings: Settings, variant: str = "standard"):
+    """``(task, agents)``: the held-out agents of ``variant`` (:data:`VARIANTS`), rows
+    ``0 .. agents - 1`` of the training task with ``agent_seed`` added to its seed and the
+    variant's fields changed."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: {variant!r}; use one of {tuple(VARIANTS)}")
+    fields = dataclasses.asdict(base)
+    fields.update(seed=base.seed + settings.agent_seed, **VARIANTS[variant])
+    task = VariantTask(**fields)
+    return task, [task.agent(r, 0) for r in range(settings.agents)]
+
+
+def training_agents(base: CompanionTask, count: int) -> list[Agent]:
+    """Agents of the training task itself (its seed): rows ``0 .. count - 1`` of its first
+    agents, those of training batches ``0 .. sessions * session_length - 1``."""
+    return [base.agent(r, 0) for r in range(count)]
 
 
 class Retrieval:
@@ -99,18 +239,203 @@ class Retrieval:
             self.answers.pop(0)
 
 
+def _ids_dtype(task) -> np.dtype:
+    """The smallest unsigned integer holding every feature id and label."""
+    return np.min_scalar_type(max(task.num_features, task.num_labels) - 1)
+
+
+def raw_capacity(task, budget: int) -> int:
+    """Events a :class:`RawRetrieval` keeps in ``budget`` bytes: ``(budget - 4) // ((k + 1)
+    s)``, ``s`` the bytes of an id (:func:`_ids_dtype`), 4 the write counter's."""
+    return (budget - 4) // ((task.features_per_input + 1) * _ids_dtype(task).itemsize)
+
+
+class RawRetrieval:
+    """Stores of raw events for ``agents`` agents at once: each event's k feature ids and its
+    answer, the oldest overwritten past ``capacity`` (a ring; one write counter).
+
+    ``predict(x)`` is the answer of the stored event ``i`` maximising ``(|x ∩ x_i|, t_i)``: the
+    most shared feature ids, then the latest write time ``t_i`` (ties broken by recency);
+    label 0 when nothing is stored.
+    """
+
+    def __init__(self, task, agents: int, capacity: int):
+        dtype = _ids_dtype(task)
+        self.task, self.capacity, self.count = task, capacity, 0
+        self.inputs = np.zeros((agents, capacity, task.features_per_input), dtype)
+        self.answers = np.zeros((agents, capacity), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per agent: the ids and answers, and a 4-byte write counter."""
+        return (self.inputs[0].nbytes + self.answers[0].nbytes) + 4
+
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        """Answers ``(agents, ...)`` to ``inputs`` ``(agents, ..., k)``."""
+        filled = min(self.count, self.capacity)
+        if filled == 0:
+            return np.zeros(inputs.shape[:-1], np.int64)
+        flat = inputs.reshape(len(inputs), -1, inputs.shape[-1])
+        stored = _one_hot(self.task, self.inputs[:, :filled].astype(np.int64))  # (N, M, F)
+        overlap = _one_hot(self.task, flat) @ np.swapaxes(stored, 1, 2)  # (N, Q, M)
+        order = (np.arange(filled) - self.count) % self.capacity  # oldest 0 .. newest
+        best = np.argmax(overlap * self.capacity + order, axis=-1)  # (N, Q)
+        answers = np.take_along_axis(self.answers[:, :filled], best, axis=1)
+        return answers.astype(np.int64).reshape(inputs.shape[:-1])
+
+    def observe(self, inputs: np.ndarray, answers: np.ndarray) -> None:
+        """One event per agent: ``inputs`` ``(agents, k)``, ``answers`` ``(agents,)``."""
+        slot = self.count % self.capacity
+        self.inputs[:, slot], self.answers[:, slot] = inputs, answers
+        self.count += 1
+
+
+class OnlineLogistic:
+    """Multinomial logistic regression on one-hot features for ``agents`` agents at once,
+    trained online: one SGD step on each event's cross-entropy.
+
+    ``z = [onehot(x); 1]`` (F + 1), ``p = softmax(W z)``, the answer ``argmax_c (W z)_c``
+    (the first label among ties, so label 0 from ``W = 0``), and after each event ``(x, y)``
+    ``W <- W - lr (p - e_y) z^T``. ``W`` is ``(L, F + 1)`` float32 per agent.
+    """
+
+    def __init__(self, task, agents: int, lr: float):
+        self.task, self.lr = task, lr
+        self.w = np.zeros((agents, task.num_labels, task.num_features + 1), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w[0].nbytes
+
+    def _features(self, inputs: np.ndarray) -> np.ndarray:
+        z = _one_hot(self.task, inputs)
+        return np.concatenate([z, np.ones((*inputs.shape[:-1], 1))], axis=-1).astype(np.float32)
+
+    def logits(self, inputs: np.ndarray) -> np.ndarray:
+        """``(agents, ..., L)`` for ``inputs`` ``(agents, ..., k)``."""
+        z = self._features(inputs)
+        flat = z.reshape(len(z), -1, z.shape[-1])
+        return (flat @ np.swapaxes(self.w, 1, 2)).reshape(*z.shape[:-1], -1)
+
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        return np.argmax(self.logits(inputs), axis=-1)
+
+    def observe(self, inputs: np.ndarray, answers: np.ndarray) -> None:
+        """One SGD step per agent on ``(inputs (agents, k), answers (agents,))``."""
+        z = self._features(inputs)  # (N, F + 1)
+        logits = np.einsum("nlf,nf->nl", self.w, z)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        error = p - np.eye(self.task.num_labels, dtype=np.float32)[answers]
+        self.w -= (self.lr * error[:, :, None] * z[:, None, :]).astype(np.float32)
+
+
+class VoteCounter:
+    """Per-feature vote counts for ``agents`` agents at once: ``n[c, f]`` events with answer
+    ``c`` whose input held feature ``f``; the answer ``argmax_c sum_{f in x} n[c, f]`` (the
+    first label among ties). Counts are the smallest unsigned integers that hold an agent's
+    lifetime of events (``sessions * session_length * events``)."""
+
+    def __init__(self, task, agents: int):
+        lifetime = task.sessions * task.session_length * task.events
+        dtype = np.min_scalar_type(lifetime)
+        self.counts = np.zeros((agents, task.num_labels, task.num_features), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts[0].nbytes
+
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        """Answers ``(agents, ...)`` to ``inputs`` ``(agents, ..., k)``."""
+        flat = inputs.reshape(len(inputs), -1, inputs.shape[-1])
+        rows = np.arange(len(inputs))[:, None, None]
+        summed = self.counts.astype(np.int64)[rows, :, flat].sum(axis=2)  # (N, Q, L)
+        return np.argmax(summed, axis=-1).reshape(inputs.shape[:-1])
+
+    def observe(self, inputs: np.ndarray, answers: np.ndarray) -> None:
+        rows = np.arange(len(inputs))[:, None]
+        np.add.at(self.counts, (rows, answers[:, None], inputs), 1)
+
+
+def method_bytes(task, budget: int, dim: int) -> dict[str, int]:
+    """Bytes per agent of each method's memory for an agent's whole life, ``budget`` the
+    companion's fast state: the equal-bytes ones (:data:`EQUAL_BYTES`) at most ``budget``,
+    the retrieval stores within one entry of it; ``knn_unbounded`` and ``oracle`` (which
+    refits on the raw history) what they hold at the end; ``no_memory`` 0."""
+    lifetime = task.sessions * task.session_length * task.events
+    entry = 4 * dim + 4
+    ids = (task.features_per_input + 1) * _ids_dtype(task).itemsize
+    return {
+        "companion": budget,
+        "knn": (budget // entry) * entry,
+        "knn_recency": (budget // entry) * entry,
+        "knn_unbounded": lifetime * entry,
+        "raw_overlap": RawRetrieval(task, 1, raw_capacity(task, budget)).nbytes,
+        "logistic": OnlineLogistic(task, 1, 0.0).nbytes,
+        "votes": VoteCounter(task, 1).nbytes,
+        "no_memory": 0,
+        "oracle": lifetime * ids,
+    }
+
+
+def lifetime_stream(task, agents: Sequence[Agent], rng: np.random.Generator) -> list:
+    """The agents' sequences in order, every session's: ``[(inputs (N, E, k), answers (N,
+    E))]``, the first holding the rare facts."""
+    stream = []
+    for s in range(task.sessions):
+        for j in range(task.session_length):
+            drawn = [task.sequence(a, s, rng, first=s == 0 and j == 0) for a in agents]
+            stream.append((np.stack([d[0] for d in drawn]), np.stack([d[1] for d in drawn])))
+    return stream
+
+
+def test_then_train(learner, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
+    """Errors ``(N,)`` of ``learner`` on a sequence ``(N, E, k)``, each event predicted, then
+    observed."""
+    errors = np.zeros(len(inputs))
+    for e in range(inputs.shape[1]):
+        errors += learner.predict(inputs[:, e]) != answers[:, e]
+        learner.observe(inputs[:, e], answers[:, e])
+    return errors
+
+
+def tune_learning_rate(
+    task, agents: Sequence[Agent], grid: Sequence[float], rng: np.random.Generator
+) -> tuple[float, dict[str, float]]:
+    """The learning rate of ``grid`` whose :class:`OnlineLogistic` makes the fewest
+    test-then-train errors over the whole lives of ``agents`` (the same stream for every
+    rate; the first of the grid among ties), and each rate's mean errors per agent. The study
+    calls it with training agents only (:func:`training_agents`)."""
+    stream = lifetime_stream(task, agents, rng)
+    errors = {}
+    for lr in grid:
+        learner = OnlineLogistic(task, len(agents), lr)
+        errors[lr] = float(np.mean(sum(test_then_train(learner, x, y) for x, y in stream)))
+    best = min(grid, key=lambda lr: errors[lr])
+    return float(best), {str(lr): e for lr, e in errors.items()}
+
+
 def fit_oracle(task, inputs: np.ndarray, answers: np.ndarray, steps: int = 300) -> np.ndarray:
-    """Multinomial logistic regression ``(L, F + 1)`` on one-hot inputs, full-batch gradient
-    descent with a small L2 penalty: the per-agent offline fit."""
-    x = np.concatenate([_one_hot(task, inputs), np.ones((len(inputs), 1))], axis=1)
+    """Multinomial logistic regression ``(..., L, F + 1)`` on one-hot inputs ``(..., n, k)``
+    (answers ``(..., n)``; leading axes: agents fitted at once), full-batch gradient descent
+    with a small L2 penalty: ``W <- W - 0.5 ((P - Y)^T Z / n + 1e-3 W)``, the per-agent
+    offline fit."""
+    z = _one_hot(task, inputs)
+    x = np.concatenate([z, np.ones((*inputs.shape[:-1], 1))], axis=-1)
     y = np.eye(task.num_labels)[answers]
-    w = np.zeros((task.num_labels, x.shape[1]))
+    w = np.zeros((*inputs.shape[:-2], task.num_labels, x.shape[-1]))
     for _ in range(steps):
-        logits = x @ w.T
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        w -= 0.5 * ((p - y).T @ x / len(x) + 1e-3 * w)
+        logits = x @ np.swapaxes(w, -1, -2)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        w -= 0.5 * (np.swapaxes(p - y, -1, -2) @ x / x.shape[-2] + 1e-3 * w)
     return w
+
+
+def oracle_answers(task, w: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """Answers ``(N, Q)`` of fits ``w`` ``(N, L, F + 1)`` to ``inputs`` ``(N, Q, k)``."""
+    x = np.concatenate([_one_hot(task, inputs), np.ones((*inputs.shape[:-1], 1))], axis=-1)
+    return np.argmax(x @ np.swapaxes(w, -1, -2), axis=-1)
 
 
 class Model:
@@ -147,8 +472,9 @@ class Model:
 
 def run(trained, settings: Settings = Settings(), progress: Callable[[], None] = lambda: None):
     """The study (module docstring) of the trained companion run ``trained``: a JSON-able dict
-    ``{"settings", "bytes", "sessions": {method: {metric: [per session]}}, "summary",
-    "latency"}``."""
+    ``{"settings", "task", "bytes", "sessions": {method: {metric: [per session]}}, "summary",
+    "tuning", "variants": {variant: ...}, "latency"}``; ``progress`` is called once a sequence
+    and once a session's queries, variant by variant."""
     with tempfile.TemporaryDirectory() as folder:  # the companion's store, for its latency
         companion = Companion(trained, SQLiteStore(f"{folder}/latency.sqlite"))
         return _study(trained, companion, settings, progress)
@@ -156,13 +482,33 @@ def run(trained, settings: Settings = Settings(), progress: Callable[[], None] =
 
 def _study(trained, companion: Companion, settings: Settings, progress) -> dict[str, Any]:
     base = trained.experiment.task
-    task = dataclasses.replace(base, seed=base.seed + settings.agent_seed)
-    N, S, L = settings.agents, task.sessions, task.num_labels
-    model = Model(trained, task, N)
-    agents = [task.agent(r, 0) for r in range(N)]
+    for variant in settings.variants:  # a bad name fails before anything runs
+        if variant == "standard" or variant not in VARIANTS:
+            known = tuple(v for v in VARIANTS if v != "standard")
+            raise ValueError(f"variants: {variant!r}; use some of {known}")
+    budget = agent_bytes(companion)
+    tuned = training_agents(base, settings.tune_agents)
+    lr, tried = tune_learning_rate(base, tuned, settings.lr_grid, rng_for(base.seed, "tune", 0))
+    model = Model(trained, base, settings.agents)
+    task, agents = held_out(base, settings)
+    metrics = _evaluate(model, task, agents, settings, budget, lr, progress)
+    result = _report(task, settings, metrics, budget, model, companion)
+    result["tuning"] = {"lr": lr, "errors": tried, "agents": settings.tune_agents}
+    variants = {"standard": _variant_row(task, metrics, budget, model)}
+    for variant in settings.variants:
+        other, others = held_out(base, settings, variant)
+        found = _evaluate(model, other, others, settings, budget, lr, progress)
+        variants[variant] = _variant_row(other, found, budget, model, standard=metrics)
+    result["variants"] = variants
+    return result
+
+
+def _evaluate(model, task, agents, settings, budget, lr, progress) -> dict[str, dict]:
+    """Every method on ``agents`` of ``task``: ``{method: {metric: [(N,) per session]}}``."""
+    N, S, L = len(agents), task.sessions, task.num_labels
     rng = np.random.default_rng(task.seed)
     shown: list[set] = [set() for _ in range(N)]
-    capacity = agent_bytes(companion) // (4 * model.embedding.shape[1] + 4)
+    capacity = budget // (4 * model.embedding.shape[1] + 4)
     knn = lambda capacity, recency: [
         Retrieval(capacity, settings.k, recency, settings.temperature) for _ in range(N)
     ]
@@ -171,7 +517,12 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
         "knn_recency": knn(capacity, settings.recency),
         "knn_unbounded": knn(None, None),
     }
-    history = [([], []) for _ in range(N)]  # every observed (input, answer), for the oracle
+    learners = {
+        "raw_overlap": RawRetrieval(task, N, raw_capacity(task, budget)),
+        "logistic": OnlineLogistic(task, N, lr),
+        "votes": VoteCounter(task, N),
+    }
+    history: list[tuple] = []  # every observed (inputs (N, E, k), answers (N, E)), the oracle's
     metrics = {m: {k: [] for k in ("novel", "facts", "stale", "regret")} for m in METHODS}
     fast = model.deployment.fresh()
     fresh = fast
@@ -188,23 +539,23 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
             errors["no_memory"] += parts[0]["count"] - parts[0]["correct"]
             fast, parts = model.deployment.session(fast, [arrays])
             errors["companion"] += parts[0]["count"] - parts[0]["correct"]
+            # The oracle is refitted once a sequence, on everything observed before it.
+            if history:
+                w = fit_oracle(task, *_seen(history))
+                errors["oracle"] += np.sum(oracle_answers(task, w, inputs) != answers, axis=1)
+            else:
+                errors["oracle"] += task.events
             keys = model.encode(inputs)
             for r in range(N):
-                # The oracle is refitted once a sequence, on everything observed before it.
-                if history[r][0]:
-                    w = fit_oracle(task, np.stack(history[r][0]), np.array(history[r][1]))
-                    x = np.concatenate([_one_hot(task, inputs[r]), np.ones((task.events, 1))], 1)
-                    errors["oracle"][r] += np.sum(np.argmax(x @ w.T, axis=1) != answers[r])
-                else:
-                    errors["oracle"][r] += task.events
                 for e in range(task.events):
                     for name, memory in stores.items():
                         guess = memory[r].predict(keys[r, e], L)
                         errors[name][r] += guess != answers[r, e]
                         memory[r].add(keys[r, e], answers[r, e])
-                    history[r][0].append(inputs[r, e])
-                    history[r][1].append(answers[r, e])
                     shown[r].add(tuple(inputs[r, e]))
+            for name, learner in learners.items():
+                errors[name] += test_then_train(learner, inputs, answers)
+            history.append((inputs, answers))
             progress()
         # Queries after the session.
         novel = np.stack([_novel(task, rng, shown[r], settings.queries) for r in range(N)])
@@ -213,8 +564,8 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
         old = np.stack([task.answers(agents[r].rule, novel[r]) for r in range(N)])
         facts = np.stack([a.facts for a in agents])
         fact_truth = np.stack([a.fact_answers for a in agents])
-        guesses = _answers(model, fast, fresh, stores, history, task, novel, facts)
-        for method, (novel_guess, fact_guess) in guesses.items():
+        queries = (model, fast, fresh, stores, learners, history, task, novel, facts)
+        for method, (novel_guess, fact_guess) in _answers(*queries).items():
             row = metrics[method]
             row["novel"].append((novel_guess == truth).mean(axis=1))
             row["facts"].append((fact_guess == fact_truth).mean(axis=1))
@@ -225,7 +576,11 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
             row["stale"].append(stale if s >= task.drift_session else np.zeros(N))
             row["regret"].append(errors[method])
         progress()
-    return _report(task, settings, metrics, capacity, companion)
+    return metrics
+
+
+def _seen(history: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([h[0] for h in history], 1), np.concatenate([h[1] for h in history], 1)
 
 
 def _novel(task, rng, shown: set, count: int) -> np.ndarray:
@@ -237,30 +592,82 @@ def _novel(task, rng, shown: set, count: int) -> np.ndarray:
     return np.stack(out)
 
 
-def _answers(model, fast, fresh, stores, history, task, novel, facts) -> dict[str, tuple]:
+def _answers(model, fast, fresh, stores, learners, history, task, novel, facts) -> dict:
     """Each method's answers ``((N, Q), (N, R))`` to the novel queries and the rare facts."""
     L, N = task.num_labels, len(novel)
     both = np.concatenate([novel, facts], axis=1)
     tokens = 1 + both
-    out = {}
+    answered = {}
     for name, state in (("companion", fast), ("no_memory", fresh)):
-        answered = model.answer(state, tokens)
-        out[name] = (answered[:, : novel.shape[1]], answered[:, novel.shape[1] :])
+        answered[name] = model.answer(state, tokens)
     keys = model.encode(both)
     for name, memory in stores.items():
-        answered = np.array([[memory[r].predict(k, L) for k in keys[r]] for r in range(N)])
-        out[name] = (answered[:, : novel.shape[1]], answered[:, novel.shape[1] :])
-    answered = []
-    for r in range(N):
-        w = fit_oracle(task, np.stack(history[r][0]), np.array(history[r][1]))
-        x = np.concatenate([_one_hot(task, both[r]), np.ones((both.shape[1], 1))], axis=1)
-        answered.append(np.argmax(x @ w.T, axis=1))
-    answered = np.stack(answered)
-    out["oracle"] = (answered[:, : novel.shape[1]], answered[:, novel.shape[1] :])
+        answered[name] = np.array([[memory[r].predict(k, L) for k in keys[r]] for r in range(N)])
+    for name, learner in learners.items():
+        answered[name] = learner.predict(both)
+    answered["oracle"] = oracle_answers(task, fit_oracle(task, *_seen(history)), both)
+    Q = novel.shape[1]
+    return {name: (a[:, :Q], a[:, Q:]) for name, a in answered.items()}
+
+
+def _interval(values: np.ndarray) -> dict[str, float]:
+    """Mean and 95% bootstrap interval over agents (axis 0) of ``values``."""
+    estimate, low, high = bootstrap_ci(values)
+    return {"mean": float(estimate), "low": float(low), "high": float(high)}
+
+
+def _survival(gained: np.ndarray, before: np.ndarray, resamples: int = 2000) -> dict | None:
+    """``mean(gained) / mean(before)`` over agents (the advantage in a variant over the
+    standard agents' one, rows paired) and its 95% percentile bootstrap interval over the
+    resamples of agents (the same rows for both) where ``mean(before) > 0``; ``undefined``:
+    the share of resamples left out. None where ``mean(before) <= 0`` (nothing survives of
+    no advantage) or no resample has it positive."""
+    if before.mean() <= 0:
+        return None
+    idx = np.random.default_rng(0).integers(0, len(before), size=(resamples, len(before)))
+    top, bottom = gained[idx].mean(axis=1), before[idx].mean(axis=1)
+    kept = bottom > 0
+    if not kept.any():
+        return None
+    low, high = np.percentile(top[kept] / bottom[kept], [2.5, 97.5])
+    return {
+        "mean": float(gained.mean() / before.mean()),
+        "low": float(low),
+        "high": float(high),
+        "undefined": float(1 - kept.mean()),
+    }
+
+
+def _variant_row(task, metrics, budget, model, standard=None) -> dict[str, Any]:
+    """One variant's figures: each method's novel accuracy averaged over the sessions and
+    its total regret; the companion's advantage ``a_m`` over each method (per agent, then
+    bootstrapped); ``best``: the equal-bytes baseline of the highest accuracy; and, given
+    the ``standard`` agents' metrics, ``survives[m] = mean a_m / mean a_m(standard)``
+    (resampled in pairs of rows; None where the standard advantage is not positive)."""
+    accuracy = {m: np.stack(metrics[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
+    out = {
+        "task": {
+            "features_per_input": task.features_per_input,
+            "rule_kind": getattr(task, "rule_kind", "linear"),
+        },
+        "bytes": method_bytes(task, budget, model.embedding.shape[1]),
+        "novel": {m: _interval(a) for m, a in accuracy.items()},
+        "regret": {m: _interval(np.sum(metrics[m]["regret"], axis=0)) for m in METHODS},
+        "advantage": {
+            m: _interval(accuracy["companion"] - a) for m, a in accuracy.items() if m != "companion"
+        },
+        "best": max(EQUAL_BYTES, key=lambda m: accuracy[m].mean()),
+    }
+    if standard is not None:
+        base = {m: np.stack(standard[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
+        out["survives"] = {}
+        for m in METHODS[1:]:
+            gained, before = accuracy["companion"] - accuracy[m], base["companion"] - base[m]
+            out["survives"][m] = _survival(gained, before)
     return out
 
 
-def _report(task, settings, metrics, capacity, companion: Companion) -> dict[str, Any]:
+def _report(task, settings, metrics, budget, model, companion: Companion) -> dict[str, Any]:
     sessions, summary = {}, {}
     for method, rows in metrics.items():
         sessions[method] = {}
@@ -276,10 +683,16 @@ def _report(task, settings, metrics, capacity, companion: Companion) -> dict[str
             }
         novel = np.stack(rows["novel"], axis=1)
         summary[method] = {"recover": _recovery(task, novel)}
+    dim = model.embedding.shape[1]
     return {
         "settings": dataclasses.asdict(settings),
         "task": dataclasses.asdict(task),
-        "bytes": {"companion": agent_bytes(companion), "knn_capacity": int(capacity)},
+        "bytes": {
+            "companion": budget,
+            "knn_capacity": int(budget // (4 * dim + 4)),
+            "raw_capacity": int(raw_capacity(task, budget)),
+            "methods": method_bytes(task, budget, dim),
+        },
         "sessions": sessions,
         "summary": summary,
         "latency": latency(companion, task, settings),
@@ -324,8 +737,38 @@ def latency(companion: Companion, task, settings: Settings) -> dict[str, float]:
     return {"agents": n, **timed}
 
 
+def _pm(interval: dict[str, float] | None, unit: str = "") -> str:
+    """``mean [low, high]`` of an interval in percent (points), ``unit`` after; ``—`` for
+    None."""
+    if interval is None:
+        return "—"
+    m, lo, hi = (100 * interval[k] for k in ("mean", "low", "high"))
+    return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]{unit}"
+
+
+def format_variant(name: str, row: dict[str, Any]) -> str:
+    """One variant's line: each method's novel accuracy over the sessions (%), the
+    companion's advantage over knn and over the best equal-bytes baseline (points), and the
+    share of it that survives from the standard agents (%)."""
+    accuracy = " ".join(f"{m} {100 * v['mean']:.1f}" for m, v in row["novel"].items())
+    best = row["best"]
+    line = (
+        f"{name:>11} (k={row['task']['features_per_input']}, {row['task']['rule_kind']}): "
+        f"novel accuracy over sessions (%) {accuracy}; companion - knn "
+        f"{_pm(row['advantage']['knn'])}, - {best} (best at equal bytes) "
+        f"{_pm(row['advantage'][best])}"
+    )
+    if "survives" in row:
+        line += (
+            f"; survives vs knn {_pm(row['survives']['knn'], '%')}, vs {best} "
+            f"{_pm(row['survives'][best], '%')}"
+        )
+    return line
+
+
 def format_summary(result: dict[str, Any]) -> str:
-    """Novel-query accuracy after each session per method, recovery, facts, regret, sizes."""
+    """Novel-query accuracy after each session per method, recovery, facts, regret, sizes;
+    then the variants, one line each."""
     lines = []
     for method, rows in result["sessions"].items():
         novel = " ".join(f"{100 * v:.0f}" for v in rows["novel"]["mean"])
@@ -341,9 +784,18 @@ def format_summary(result: dict[str, Any]) -> str:
             f"errors; {recovery}"
         )
     size, latency = result["bytes"], result["latency"]
+    each = ", ".join(f"{m} {b}" for m, b in size.get("methods", {}).items())
     lines.append(
-        f"bytes per agent {size['companion']} (knn keeps {size['knn_capacity']} pairs); at "
-        f"{latency['agents']} agents observe {1e3 * latency['observe_s']:.0f} ms, recall "
-        f"{1e3 * latency['recall_s']:.0f} ms a call"
+        f"bytes per agent {size['companion']} (knn keeps {size['knn_capacity']} pairs"
+        + (f"; raw_overlap {size['raw_capacity']} events" if "raw_capacity" in size else "")
+        + f"){'; each: ' + each if each else ''}; at {latency['agents']} agents observe "
+        f"{1e3 * latency['observe_s']:.0f} ms, recall {1e3 * latency['recall_s']:.0f} ms a call"
     )
+    if "tuning" in result:
+        lines.append(
+            f"logistic lr {result['tuning']['lr']:g} (tuned on {result['tuning']['agents']} "
+            f"training agents; mean errors {result['tuning']['errors']})"
+        )
+    for name, row in result.get("variants", {}).items():
+        lines.append(format_variant(name, row))
     return "\n".join(lines)
