@@ -110,3 +110,20 @@ def test_eval_overrides_apply_to_the_runs_config_without_the_config_file(tmp_pat
 def test_help_prints_the_flags_and_exits_0(script):
     status, out, _ = run(str(tiny_configs.ROOT / "experiments" / script), "--help")
     assert status == 0 and "--helpfull" in out and "flags:" in out
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_one_line_and_the_run_resumes(tmp_path):
+    """Every data file of the last checkpoint cut in half: the resumed run says so in one
+    line, without the tracebacks of orbax's abandoned reads into their closed event loop."""
+    workdir = tmp_path / "run"
+    rc, _, _ = train(f"--workdir={workdir}")
+    assert rc == 0
+    for path in (workdir / "checkpoints" / "8" / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    rc, _, lines = train(f"--workdir={workdir}", "--config.train.steps=12")
+    assert rc == 0, lines[-5:]
+    damaged = [line for line in lines if "checkpoint step 8 is damaged" in line]
+    assert len(damaged) == 1, lines
+    assert not [line for line in lines if "Event loop is closed" in line or "Traceback" in line]

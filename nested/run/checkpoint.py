@@ -143,6 +143,24 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _quiet_closed_loops() -> None:
+    """From the first restore on, drop the "Event loop is closed" errors that tensorstore's
+    callbacks raise into the closed loop of a failed read, whenever they come (reported as
+    unraisable, from C++: dozens of tracebacks per damaged step); every other unraisable
+    error goes to the hook as before."""
+    hook = sys.unraisablehook
+    if getattr(hook, "nested_quiet_closed_loops", False):
+        return
+
+    def quiet(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            hook(unraisable)
+
+    quiet.nested_quiet_closed_loops = True
+    sys.unraisablehook = quiet
+
+
 def _collect_abandoned_reads() -> None:
     """A restore (a failed one always, a successful one sometimes) leaves orbax's pending
     array reads to die at garbage collection, each printing an "Exception ignored" traceback;
@@ -294,6 +312,7 @@ class Checkpointer:
 
     def _attempt(self, step: int, **items):
         """Restore ``items`` of ``step``; None (and the step set aside) if it is unreadable."""
+        _quiet_closed_loops()
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # noqa: BLE001 - any unreadable step is damage
