@@ -13,8 +13,9 @@ phases of processes run side by side:
 2. the checkpoint of step 4 of the 8-device run resumed on one device and on ``fsdp=8``, and
    the one-device run's on ``data=2 x fsdp=2 x tensor=2``.
 
-The language models' steps alone (tiny Hope and Titans-MAC, 10 steps on three meshes) and the
-1.3B model compiled for 64 devices are slow tests.
+The language models' steps alone (tiny Hope and Titans-MAC, 10 steps on three meshes) are a
+slow test; ``benchmarks/pod_memory.py`` (whose compile the bytes test uses) sizes a paper-size
+model on a pod.
 """
 
 import json
@@ -45,6 +46,8 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     from nested.nn.models import MLPBlock
     from nested.run import checkpoint, config as nc, partitioning, sharding, train
+    sys.path.insert(0, str(tiny_configs.ROOT / "benchmarks"))
+    import pod_memory
 
     def fields_of(mesh, train_fields):
         fields = {f"train__mesh__{k}": v for k, v in mesh.items()}
@@ -102,19 +105,16 @@ SCRIPT = textwrap.dedent(
 
     def state_bytes(variant, mesh):
         # parameters and optimizer state held per device: from the shards' shapes, and the
-        # compiled step's arguments (memory_analysis)
+        # compiled step's arguments (benchmarks/pod_memory.py, memory_analysis)
         exp = lm(variant, mesh)
-        layout = train.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
+        devices = jax.devices()[: 1 if not mesh else None]
+        layout = train.make_layout(exp, devices=devices)
         abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
         learned = lambda s: (s.params, s.opt_state)
         shards = zip(jax.tree.leaves(learned(abstract)), jax.tree.leaves(learned(layout.state)))
         held = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in shards)
-        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              abstract, layout.state)
-        batch = {k: jax.ShapeDtypeStruct((1, 8, 64), jnp.int32) for k in ("inputs", "targets")}
-        step = train.make_train_fn(exp.program, layout).lower(placed, batch).compile()
-        analysis = step.memory_analysis()
-        return {"shards": held, "arguments": analysis.argument_size_in_bytes}
+        compiled = pod_memory.compiled_memory(exp.config, devices)
+        return {"shards": held, "arguments": compiled["arguments"]}
 
     def mlp_temp(tensor):
         # the temporaries of an MLP block's forward and backward pass, per device
@@ -132,33 +132,8 @@ SCRIPT = textwrap.dedent(
         x = jax.ShapeDtypeStruct((8, 128, 64), jnp.float32)
         return grad.lower(placed, x).compile().memory_analysis().temp_size_in_bytes
 
-    def compiled_for_pod(variant, mesh, microbatches, remat):
-        # lowered and compiled for the devices with abstract arrays only (nothing allocated)
-        cfg = nc.load(str(tiny_configs.ROOT / "configs" / "lm.py") + ":" + variant)
-        fields = {f"train.mesh.{k}": v for k, v in mesh.items()}
-        cfg = tiny_configs.override(cfg, {**fields, "train.microbatches": microbatches,
-                                          "model.remat": remat})
-        exp = nc.build(cfg)
-        layout = train.make_layout(exp)
-        abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
-        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              abstract, layout.state)
-        shape = (1, cfg.train.batch_size, cfg.task.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
-        step = train.make_train_fn(exp.program, layout).lower(placed, batch).compile()
-        analysis = step.memory_analysis()
-        used = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
-        used += analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-        parameters = sum(x.size for x in jax.tree.leaves(abstract.params))
-        print(f"{variant} on {sharding.describe(layout.mesh)}, {microbatches} microbatches, "
-              f"remat {remat}: {parameters / 1e9:.2f}B parameters, per device: arguments "
-              f"{analysis.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
-              f"{analysis.temp_size_in_bytes / 2**30:.2f} GiB, in all {used / 2**30:.2f} GiB",
-              file=sys.stderr)
-        return {"bytes": used, "parameters": parameters, "devices": layout.mesh.size}
-
     KINDS = {"train": train_run, "error": error, "lm": lm_losses, "bytes": state_bytes,
-             "mlp_temp": mlp_temp, "pod": compiled_for_pod}
+             "mlp_temp": mlp_temp}
     BATCH = json.loads(sys.argv[3])
     jobs = json.loads(sys.argv[2])
     out = {}
@@ -185,9 +160,9 @@ def start(jobs: dict, *, devices: int, env: dict) -> subprocess.Popen:
     )
 
 
-def finish(process: subprocess.Popen, timeout: float = 600) -> tuple[dict, str]:
+def finish(process: subprocess.Popen) -> tuple[dict, str]:
     try:
-        out, err = process.communicate(timeout=timeout)
+        out, err = process.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
@@ -347,17 +322,3 @@ def test_language_models_on_three_meshes_match_one_device(variant):
     assert len(one) == 10 and np.all(np.isfinite(one))
     for name, losses in result.items():
         np.testing.assert_allclose(losses, one, rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-@pytest.mark.slow
-def test_the_largest_language_model_compiles_for_a_pod_of_64_devices():
-    """Hope at 1.3B, lowered and compiled for 64 simulated devices without allocating: the
-    per-device estimate (arguments, temporaries and outputs of the compiled step) is printed
-    and fits an 80 GB device."""
-    mesh = {"data": 1, "fsdp": 16, "tensor": 4}
-    jobs = {"pod": ["pod", "hope-1.3b", mesh, 4, "full"]}
-    result, err = finish(start(jobs, devices=64, env={}), timeout=3600)  # a long compile
-    pod = result["pod"]
-    assert pod["devices"] == 64 and 1.1e9 < pod["parameters"] < 1.5e9
-    assert pod["bytes"] < 80e9, err[-2000:]
-    print(err.strip().splitlines()[-2])
