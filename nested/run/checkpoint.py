@@ -286,18 +286,18 @@ class Checkpointer:
                     f"{sorted(steps)}"
                 )
             steps = [step]
-        for step in steps:  # noqa: B020 - the loop variable replaces the argument on purpose
-            meta = self._attempt(step, meta=ocp.args.JsonRestore())
+        for found in steps:
+            meta = self._attempt(found, meta=ocp.args.JsonRestore())
             if meta is None:
                 continue
             meta = meta.meta
             if meta.get("signature") != expected:
                 raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} is of another model "
+                    f"checkpoint step {found} in {self.directory} is of another model "
                     f"({mismatch(meta.get('signature') or [], expected)}); use a new workdir "
                     f"or the config it was trained with"
                 )
-            restored = self._attempt(step, state=ocp.args.StandardRestore(_abstract(like)))
+            restored = self._attempt(found, state=ocp.args.StandardRestore(_abstract(like)))
             if restored is None:
                 continue
             _collect_abandoned_reads()  # a read can outlive even a successful restore
@@ -305,9 +305,9 @@ class Checkpointer:
             saved = meta.get("fingerprint")
             if saved is not None and saved != (now := fingerprint(state)):
                 leaf = next(i for i, (a, b) in enumerate(zip(saved, now, strict=True)) if a != b)
-                self._set_aside(step, f"its arrays differ from the saved ones: {expected[leaf]}")
+                self._set_aside(found, f"its arrays differ from the saved ones: {expected[leaf]}")
                 continue
-            return Restored(int(step), state, int(meta["data_position"]), meta.get("extra", {}))
+            return Restored(int(found), state, int(meta["data_position"]), meta.get("extra", {}))
         return None
 
     def _attempt(self, step: int, **items):

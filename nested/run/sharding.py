@@ -166,19 +166,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(
-    batch_size: int, mesh: Mesh, rules: Mapping[str, str] = RULE_DEFAULTS, *, name="batch_size"
+    batch_size: int,
+    mesh: Mesh,
+    rules: Mapping[str, str] = RULE_DEFAULTS,
+    *,
+    subject: str | None = None,
 ) -> None:
-    """Raise ``ValueError`` naming ``name`` unless the batch axes' devices divide
-    ``batch_size`` (``name`` with a space, e.g. ``"a microbatch of 2 rows"``, is the whole
-    subject; otherwise the subject is ``name=batch_size``)."""
+    """Raise ``ValueError`` naming ``subject`` (default ``"batch_size=<batch_size>"``) unless
+    the batch axes' devices divide ``batch_size``."""
     axes = batch_axes(mesh, rules)
     n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if batch_size % n:
         over = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
-        subject = name if " " in name else f"{name}={batch_size}"
         raise ValueError(
-            f"{subject} is not divisible by the {n} devices ({over}) the batch is split "
-            f"over; use a multiple of {n}"
+            f"{subject or f'batch_size={batch_size}'} is not divisible by the {n} devices "
+            f"({over}) the batch is split over; use a multiple of {n}"
         )
 
 

@@ -150,7 +150,8 @@ def make_layout(exp: Experiment, *, devices=None) -> sharding.Layout:
     cfg = exp.config.train
     devices = list(jax.devices() if devices is None else devices)
     try:
-        settings = sharding.check_mesh(_plain(cfg.get("mesh", {})))
+        mesh = cfg.get("mesh")
+        settings = sharding.check_mesh({} if mesh is None else mesh.to_dict())
         sizes = sharding.mesh_sizes(settings, len(devices), platform=devices[0].platform)
     except ValueError as error:
         raise ConfigError(str(error)) from error
@@ -158,18 +159,18 @@ def make_layout(exp: Experiment, *, devices=None) -> sharding.Layout:
     rules = settings["rules"]
     microbatches = cfg.get("microbatches", 1)
     checks = [
-        (cfg.batch_size, "train.batch_size", ""),
-        (cfg.eval_batch_size, "train.eval_batch_size", ""),
+        (cfg.batch_size, f"train.batch_size={cfg.batch_size}"),
+        (cfg.eval_batch_size, f"train.eval_batch_size={cfg.eval_batch_size}"),
     ]
     if microbatches > 1:
         part = cfg.batch_size // microbatches
-        whole = f"train.batch_size={cfg.batch_size} / train.microbatches={microbatches}: "
-        checks.append((part, f"a microbatch of {part} rows", whole))
-    for rows, name, prefix in checks:
+        whole = f"train.batch_size={cfg.batch_size} / train.microbatches={microbatches}"
+        checks.append((part, f"{whole}: a microbatch of {part} rows"))
+    for rows, subject in checks:
         try:
-            sharding.check_batch(rows, mesh, rules, name=name)
+            sharding.check_batch(rows, mesh, rules, subject=subject)
         except ValueError as error:
-            raise ConfigError(f"{prefix}{error} ({sharding.describe(mesh)})") from error
+            raise ConfigError(f"{error} ({sharding.describe(mesh)})") from error
     abstract = jax.eval_shape(_init_fn(exp), jax.random.key(0))
     try:
         layout = sharding.Layout.of(abstract, mesh, rules)
@@ -181,12 +182,6 @@ def make_layout(exp: Experiment, *, devices=None) -> sharding.Layout:
     if whole and mesh.size > 1:
         logging.warning("parameters no rule of train.mesh.rules shards: %s", "; ".join(whole))
     return layout
-
-
-def _plain(section) -> dict:
-    """A config section (ConfigDict or mapping, nested) as plain dicts."""
-    items = section.items() if hasattr(section, "items") else section
-    return {k: _plain(v) if hasattr(v, "items") else v for k, v in dict(items).items()}
 
 
 def make_train_fn(program: Program, layout: sharding.Layout | None = None):
