@@ -1,7 +1,7 @@
 """Training throughput and MFU of the language models of ``configs/lm.py``.
 
     .venv/bin/python benchmarks/lm_throughput.py --models=transformer,deltanet,titans \\
-        --size=tiny --steps=3 [--mesh=-1,1,1] [--batch_size=8] [--out=lm_throughput.md]
+        --size=tiny --steps=3 [--mesh=-1,1,1] [--batch_size=8] [--nowrite]
     .venv/bin/python benchmarks/lm_throughput.py --cpu_devices=2 --mesh=2,1,1 --models=titans
 
 For each model at ``--size`` on the mesh ``--mesh`` (``data,fsdp,tensor`` sizes, -1: the
@@ -22,14 +22,13 @@ training), compiled by a first call, then the median wall time of ``--steps`` ti
   on GPU/TPU the nominal dense bf16 peak of the device kind (:data:`PEAK_TFLOPS`, vendor
   figures), or ``--peak_tflops``.
 
-Prints a markdown table with the command and machine in its header; ``--out`` writes it to a
-file too.
+Prints a markdown table and writes it into this benchmark's section of benchmarks/README.md
+(``--nowrite``: printed only).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -45,7 +44,6 @@ for _arg in sys.argv[1:]:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import report  # noqa: E402
-import timing  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from nested import data  # noqa: E402
@@ -61,7 +59,7 @@ flags.DEFINE_integer("batch_size", None, "Sequences a step (default: the config'
 flags.DEFINE_integer("seq_len", None, "Tokens a sequence (default: the config's).")
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device (default: measured / table).")
 flags.DEFINE_integer("cpu_devices", None, "Simulated CPU devices (XLA flag, set before JAX).")
-flags.DEFINE_string("out", None, "Also write the table to this markdown file.")
+flags.DEFINE_boolean("write", True, "Write the table into benchmarks/README.md.")
 
 # Nominal dense bf16 peaks per device, TFLOP/s (vendor figures: NVIDIA's H100/H200 SXM and
 # A100 datasheets without sparsity, Google Cloud's TPU pages), by a substring of device_kind.
@@ -151,26 +149,26 @@ def main(argv):
     devices = jax.devices()
     kind = devices[0].device_kind
     machine_peak = devices[0].platform == "cpu" and not FLAGS.peak_tflops
+    out = report.Report("lm_throughput")
     if FLAGS.peak_tflops:
         peak, source = FLAGS.peak_tflops, "a device, --peak_tflops"
     elif machine_peak:  # simulated CPU devices share the machine's cores
-        peak = timing.matmul_gflops() / 1e3
+        peak = out.gflops / 1e3
         source = "the machine (all its devices), float32 2048x2048 matmul measured in this run"
     else:
         peak, source = nominal_peak(kind), "a device, nominal dense bf16 (vendor figure)"
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    lines = [
-        f"`{command}`, {report.utc_now()}",
-        f"Machine: {report.machine()}, {len(devices)} device(s) ({kind}).",
-        f"Peak: {'n/a' if peak is None else f'{peak:.3f}'} TFLOP/s, {source}.",
+    out.print(
+        f"{len(devices)} device(s) ({kind}). Peak: "
+        f"{'n/a' if peak is None else f'{peak:.3f}'} TFLOP/s, {source}."
+    )
+    out.print(
         "FLOPs/token: analytic training FLOPs (nested.run.flops.per_token, causal attention, "
         f"inner loops included, no remat); {FLAGS.steps} timed steps after a compiling one, "
-        "median.",
-        "",
-        "| model | size | mesh | params | FLOPs/token | tokens/s | TFLOP/s | MFU |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+        "median."
+    )
+    out.print()
+    out.print("| model | size | mesh | params | FLOPs/token | tokens/s | TFLOP/s | MFU |")
+    out.print("|---|---|---|---|---|---|---|---|")
     for model in FLAGS.models:
         row = measure(model)
         achieved = row["tokens_per_s"] * row["flops"] / 1e12
@@ -181,11 +179,9 @@ def main(argv):
             f"{row['flops'] / 1e6:,.1f}M | {row['tokens_per_s']:,.0f} | {achieved:.4f} | "
             f"{mfu} |"
         )
-        print(line, flush=True)
-        lines.append(line)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        out.print(line)
+    if FLAGS.write:
+        out.write()
 
 
 if __name__ == "__main__":

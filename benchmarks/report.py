@@ -70,8 +70,10 @@ class Report:
 
     def __init__(self, name: str):
         self.name, self.lines, self.start = name, [], time.perf_counter()
-        gflops = timing.matmul_gflops()
-        self.machine = f"{machine()}; float32 2048x2048 matmul {gflops:.0f} GFLOP/s in this run"
+        self.gflops = timing.matmul_gflops()  # this machine's float32 matmul rate, this run
+        self.machine = (
+            f"{machine()}; float32 2048x2048 matmul {self.gflops:.0f} GFLOP/s in this run"
+        )
         print(self.machine + "\n", flush=True)
 
     def print(self, text: str = "") -> None:

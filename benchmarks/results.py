@@ -193,9 +193,11 @@ LM_PREPARE = (
 # starts, and their generic loop with starts is several times slower still.
 LM_DOCUMENTS = ("task.documents", False)
 # The Titans memory's inner step range halved (0.05 / C a token, the recipe's default 0.1 / C),
-# in Titans and in Hope: at the default Titans' memory
-# diverged at step 78 in two runs (non-finite fast state).
-LM_OVERRIDES = dict.fromkeys(("titans", "hope"), (("levels.memory.lr_scale", 0.05 / 16),))
+# in Titans and in Hope: at the default Titans' memory diverged at step 78 in two runs
+# (non-finite fast state). Hope's memory also clips each token's gradient to norm 1: without,
+# it diverged at step 65 (every fast state non-finite; rules.GradientDescent's clip says why).
+HALVED = ("levels.memory.lr_scale", 0.05 / 16)
+LM_OVERRIDES = {"titans": (HALVED,), "hope": (HALVED, ("levels.memory.clip", 1.0))}
 LM_STEPS = 120  # Hope, the slowest, takes about 14 s a step here: 28 minutes
 
 

@@ -32,7 +32,7 @@ def run_steps(name: str, microbatches: int, steps: int = 3, **more):
 
 # continual: a fast state carried across sequences, split with the rows; mqar: masks whose
 # counts differ between the parts (the parts' losses are weighted by them)
-@pytest.mark.parametrize("name", ["continual", "mqar"])
+@pytest.mark.parametrize("name", [pytest.param("continual", marks=pytest.mark.slow), "mqar"])
 def test_four_microbatches_equal_the_whole_batch(name):
     whole, whole_state, batches = run_steps(name, 1)
     parts, parts_state, _ = run_steps(name, 4)

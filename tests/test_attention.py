@@ -177,6 +177,7 @@ def test_memory_as_context_equals_its_per_segment_definition_values_and_gradient
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_memory_as_context_is_causal_and_reads_the_memory_across_segments():
     mixer = mac()
     x = x_of(11).astype(jnp.float64)
@@ -194,6 +195,7 @@ def test_memory_as_context_is_causal_and_reads_the_memory_across_segments():
     np.testing.assert_allclose(frozen, 0.0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_kwargs", [{}, {"experts": 2, "write_gate": "lr"}])
 def test_memory_as_context_streams_at_segment_boundaries(memory_kwargs):
     """Also with Mixture-of-Storage memories: the retrieval reads every expert and routes."""
@@ -215,7 +217,7 @@ def test_bad_memory_as_context_settings():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("documents", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_blockwise_attention_equals_the_whole_scores_values_and_gradients(window, documents):
     """Blocks of 8 keys over 37 queries and the cache's keys (not a multiple of 8), against the
     path that holds every score (itself held to the per-position definition above)."""

@@ -133,6 +133,7 @@ def test_meta_gradients_reach_every_level_and_equal_finite_differences():
             np.testing.assert_allclose(grads[j][layer]["w"][index], fd, rtol=1e-6, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_first_order_levels_take_their_window_gradients_as_constants():
     """Two windows of one level, written out: theta_1 = theta_0 - lr g / C with g the first
     window's gradient; the outer loss is the mean token loss of both windows. Exact: g

@@ -198,6 +198,7 @@ def test_a_second_writer_on_a_served_store_is_refused_and_no_observe_is_lost(ser
     assert sum(acked.values()) == 4 * 6 * 8
 
 
+@pytest.mark.slow
 def test_a_killed_server_keeps_every_acknowledged_observe(workdir, tmp_path):
     store = tmp_path / "agents.sqlite"
     served = Server(workdir, store)
@@ -308,6 +309,7 @@ def test_retrieval_and_oracle_baselines():
     assert np.mean(np.argmax(x @ w.T, axis=1) == answers) > 0.9
 
 
+@pytest.mark.slow
 def test_the_study_runs_every_method_session_by_session(workdir):
     trained = loading.load_trained(workdir)
     settings = study.Settings(agents=4, queries=4, latency_agents=4, latency_runs=1)
@@ -353,6 +355,7 @@ def test_health_reports_the_fingerprint_as_an_object(server):
     assert "(warmed 0 of " in server.started
 
 
+@pytest.mark.slow
 def test_more_training_does_not_lock_agents_out(workdir, tmp_path):
     """States written by the slow weights of an earlier step are served on (and stored as the
     new step's at their next observe) or refused, as chosen; export works either way."""
@@ -435,6 +438,7 @@ def chunked(server, path, chunks, *, key=KEY, end=True):
         return response.status, json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_the_steps_a_store_needs_survive_more_training_and_serve_with_step(workdir, tmp_path):
     """A store pins the checkpoints of the steps that wrote its agents: training on with
     ``keep_checkpoints=1`` keeps them, and ``serve.py --step`` serves those weights (the real
@@ -683,6 +687,7 @@ def test_warming_compiles_the_bucket_sizes_within_its_budget(workdir, tmp_path):
     assert companion.warm(budget_s=0) == (0, total, pytest.approx(0, abs=1))
 
 
+@pytest.mark.slow
 def test_the_digest_covers_every_served_column_and_a_damaged_database_is_503(workdir, tmp_path):
     """Cause 6: a row whose tokens (or fingerprint) were edited with the server down is
     refused as damaged, a row of the former digest format is upgraded and served; cause 7: a

@@ -160,6 +160,7 @@ def test_variants_change_only_their_fields():
         assert task.rule_kind == fields.get("rule_kind", "linear")
 
 
+@pytest.mark.slow
 def test_held_out_agents_never_reach_the_tuner(tmp_path, monkeypatch):
     """The whole study on the tiny companion model (initial weights: what is learnt does not
     matter here), the tuner and the evaluation spied on: the tuner sees the training task and

@@ -31,7 +31,9 @@ def train(*args: str, cwd=tiny_configs.ROOT) -> tuple[int, str, list[str]]:
     return run(TRAIN, *tiny_configs.flags("mqar"), *args, cwd=cwd)
 
 
-@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+@pytest.mark.parametrize(
+    "where", ["under a file", pytest.param("under /proc", marks=pytest.mark.slow)]
+)
 def test_unusable_workdir_exits_with_one_line_before_building(tmp_path, where):
     if where == "under a file":
         (tmp_path / "file").write_text("")
@@ -106,7 +108,14 @@ def test_eval_overrides_apply_to_the_runs_config_without_the_config_file(tmp_pat
     )
 
 
-@pytest.mark.parametrize("script", ["train.py", "eval.py", "serve.py", "prepare.py", "eval_lm.py"])
+@pytest.mark.parametrize(
+    "script",
+    ["train.py"]  # the others with -m slow: each --help starts a process
+    + [
+        pytest.param(s, marks=pytest.mark.slow)
+        for s in ("eval.py", "serve.py", "prepare.py", "eval_lm.py")
+    ],
+)
 def test_help_prints_the_flags_and_exits_0(script):
     status, out, _ = run(str(tiny_configs.ROOT / "experiments" / script), "--help")
     assert status == 0 and "--helpfull" in out and "flags:" in out

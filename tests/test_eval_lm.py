@@ -376,6 +376,7 @@ def run(script: str, *args: str, cwd) -> tuple[int, str, list[str]]:
     return done.returncode, done.stdout, [line for line in done.stderr.splitlines() if line]
 
 
+@pytest.mark.slow
 def test_eval_lm_runs_end_to_end_on_a_trained_workdir(folders, tmp_path):
     config = tmp_path / "lm.py"
     config.write_text(

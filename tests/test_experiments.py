@@ -152,6 +152,7 @@ def bad_runs(tmp_path_factory):
     return processes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_exits_with_one_line_naming_the_key_and_allowed_values(bad_runs, case):
     rc, out, err = finish(bad_runs[case], timeout=120)

@@ -156,6 +156,7 @@ def reference(tmp_path_factory, env):
     return comparable(metrics.read(workdir))
 
 
+@pytest.mark.slow
 def test_killed_mid_save_then_stopped_by_sigterm_resumes_to_the_same_metrics(
     tmp_path, env, reference
 ):
@@ -227,6 +228,7 @@ def test_random_sigkills_end_with_the_uninterrupted_metrics(tmp_path, env, n_kil
     assert comparable(metrics.read(workdir)) == comparable(metrics.read(reference))
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_save_keeps_it_and_the_run_resumes_to_the_same_metrics(
     tmp_path, env, reference
 ):
@@ -251,6 +253,7 @@ def test_ctrl_c_during_a_save_keeps_it_and_the_run_resumes_to_the_same_metrics(
     assert comparable(metrics.read(workdir)) == reference
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_workdir_in_use_is_refused_in_one_line(tmp_path, env):
     """Two training processes on one workdir: the second stops before writing anything,
     naming the first's pid and host; once the first has ended, the workdir is free."""
@@ -270,6 +273,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_in_one_line(tmp_path, env):
     assert third.restored() == stopped
 
 
+@pytest.mark.slow
 def test_a_token_corpus_run_killed_resumes_to_the_batches_of_an_uninterrupted_one(tmp_path, env):
     """The token loader's position is in the checkpoint: a run on a prepared corpus SIGKILLed
     after its first checkpoint and run again logs what an uninterrupted run logs."""

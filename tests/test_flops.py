@@ -144,8 +144,22 @@ def test_xla_counts_a_loop_body_once():
         assert count * one <= counted < count * one + 64  # and the loop counter's adds
 
 
+# With -m slow: Hope, Titans and its hybrids, ATLAS, Gated DeltaNet and TTT-Linear (a member of
+# each of their families runs by default; test_tiny_matches_xla below runs every model).
+SLOW_XLA = {
+    "hope",
+    "titans",
+    "titans_mac",
+    "titans_mag",
+    "titans_mal",
+    "atlas",
+    "gated_deltanet",
+    "ttt_linear",
+}
+
+
 @pytest.mark.parametrize(
-    "model", [pytest.param(m, marks=pytest.mark.slow) if m == "hope" else m for m in MODELS]
+    "model", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_XLA else m for m in MODELS]
 )
 def test_matches_xla(model, model_flops):
     """Every model, 1 layer (Hope 2: its CMS gradients run back through the upper layers'
@@ -183,6 +197,7 @@ def test_transformer_closed_form():
     assert h == 4  # head dims do not enter: d = h * d / h
 
 
+@pytest.mark.slow
 def test_parts_sum_to_forward():
     for model in MODELS:
         out = flops.per_token(nc.load(f"configs/lm.py:{model}-small"))

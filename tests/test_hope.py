@@ -127,6 +127,7 @@ def test_hope_lm_meta_gradient_of_the_initial_projections_equals_finite_differen
         np.testing.assert_allclose(grad[index], fd, rtol=1e-6, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_hope_lm_trains():
     prog = hope_program()
     state = prog.init(jax.random.key(0))

@@ -68,6 +68,13 @@ def titans_step(W, S, k, v, W_start, g):
     return (1 - g["decay"]) * W + S, S
 
 
+def clipped_titans_step(W, S, k, v, W_start, g, clip=1.5):
+    grad = jnp.outer(W_start @ k - v, k)
+    grad = grad * jnp.minimum(1.0, clip / jnp.linalg.norm(grad))
+    S = g["momentum"] * S - g["lr"] * grad
+    return (1 - g["decay"]) * W + S, S
+
+
 CASES = {
     "delta": (nl.rules.sgd(lr="beta"), ("beta",), delta_step),
     "gated_delta": (nl.rules.sgd(lr="beta", retain="alpha"), ("beta", "alpha"), gated_delta_step),
@@ -75,6 +82,12 @@ CASES = {
         nl.rules.gradient_descent("lr", momentum="momentum", decay="decay"),
         ("lr", "momentum", "decay"),
         titans_step,
+    ),
+    # Each token's gradient cut to norm 1.5 (|W k - v| is about 2 here: some are cut, some not).
+    "titans_clipped": (
+        nl.rules.gradient_descent("lr", momentum="momentum", decay="decay", clip=1.5),
+        ("lr", "momentum", "decay"),
+        clipped_titans_step,
     ),
     # The same rule composed by hand from the public gated blocks.
     "titans_from_blocks": (

@@ -104,9 +104,13 @@ def compare(kernel, level):
 
 
 DOCUMENTS = [kernel for kernel in kernels.KERNELS if kernel.documents]
-# Run with -m slow: the neural examples beyond TTT-MLP's mini-batches (0), the online rule
-# with momentum and decay (3) and the chunk-start read (7) share their machinery.
-SLOW = {("neural_gradient_descent", i) for i in (1, 2, 4, 5, 6, 8)}
+# Run with -m slow: every neural example beyond TTT-MLP's mini-batches (0) shares its
+# machinery, and the second examples of the linear kernels their first's (the default suite
+# keeps the first example of every kernel, and the delta rule's chunk-boundary cases).
+NEURAL = next(kernel for kernel in DOCUMENTS if kernel.name == "neural_gradient_descent")
+SLOW = {(NEURAL.name, i) for i in range(1, len(NEURAL.examples()))}
+SLOW |= {("gdn2", 1), ("falcon", 0), ("delta_rule", 1)}
+SLOW |= {("gated_delta_rule", i) for i in range(2)}  # the delta rule's machinery, gated
 EXAMPLES = [
     pytest.param(
         kernel,

@@ -85,8 +85,13 @@ def compare(level, T, path="kernel", rtol=1e-8, gradients=True):
         chex.assert_trees_all_close(fast_grads, generic_grads, rtol=rtol * 10, atol=1e-10)
 
 
+# With -m slow: the neural examples but the first and the clipped Titans (9), which share
+# the machinery of the others; ATLAS's but one.
+SLOW = {("neural_gradient_descent", i) for i in (*range(1, 9), 10)} | {("atlas", 0), ("atlas", 2)}
 EXAMPLES = [
-    pytest.param(kernel, i, id=f"{kernel.name}-{i}")
+    pytest.param(
+        kernel, i, id=f"{kernel.name}-{i}", marks=[pytest.mark.slow] * ((kernel.name, i) in SLOW)
+    )
     for kernel in kernels.KERNELS
     for i in range(len(kernel.examples()))
 ]
@@ -111,6 +116,7 @@ def ttt_mlp_with(update):
     return dataclasses.replace(nl.recipes.ttt_mlp(d_k=3, d_v=3, every=2, hidden=4), update=update)
 
 
+@pytest.mark.slow
 def test_a_replaced_rule_runs_the_kernel_of_the_new_rule():
     """Issue 15: TTT-MLP with a momentum rule put in by hand ran the TTT kernel, which ignores
     momentum (outputs off by 0.49, no error); the kernel now follows the declaration."""

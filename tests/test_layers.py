@@ -74,6 +74,7 @@ def test_turns_read_the_snapshot_from_the_start_of_the_turn():
         np.testing.assert_allclose(o[:, start : start + 3], expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_mixture_of_storage_routed_to_one_expert_is_that_expert():
     level = nl.recipes.delta(d_k=4, d_v=4)
     mos = layer(level, experts=3, write_gate="beta", conv=0)

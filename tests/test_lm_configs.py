@@ -80,7 +80,9 @@ def test_the_small_models_match_the_transformer_within_10_percent():
     assert not far and 7e6 < base < 8e6, far
 
 
-@pytest.mark.parametrize("variant", ["transformer-125m", "hope-125m"])
+@pytest.mark.parametrize(
+    "variant", ["transformer-125m", pytest.param("hope-125m", marks=pytest.mark.slow)]
+)
 def test_the_count_is_that_of_the_whole_model(variant):
     cfg = config(variant)
     assert _size(nnx.state(abstract_model(cfg), nnx.Param)) == parameters(cfg)
@@ -144,7 +146,7 @@ def test_attention_takes_no_level_and_memory_mixers_need_one():
         nc.build(cfg)
 
 
-FAST = ["transformer", "deltanet", "ttt_linear", "titans"]  # the others: with -m slow
+FAST = ["transformer"]  # the others: with -m slow
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,7 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, **{name: tmp / name for name in started}, "logs": done}
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_and_resume_on_one(runs):
     assert_same_losses(runs["two_by_two"], runs["one_by_four"], SAME_SPLIT)
     assert_same_losses(runs["two_by_two"], runs["one_by_one"], ONE_DEVICE)
@@ -180,6 +181,7 @@ def test_a_lost_process_stops_the_other_and_a_relaunch_resumes_exactly(tmp_path)
     assert_same_losses(workdir, tmp_path / "reference", SAME_SPLIT)
 
 
+@pytest.mark.slow
 def test_bad_settings_fail_in_one_line_before_jax_starts(tmp_path):
     bad = {
         "--process_id=2 is out of range for --num_processes=2; use 0..1": dict(process_id=2),
@@ -241,6 +243,7 @@ def test_a_loopback_coordinator_listens_on_loopback_only(monkeypatch, host, bind
     assert calls[0].get("coordinator_bind_address") == expected
 
 
+@pytest.mark.slow
 def test_processes_started_with_different_configs_are_refused(tmp_path):
     lines = launch.commands(command(tmp_path / "run", 1, 1)[1:], 2, launch.free_port())
     lines[1].append("--config.model.dim=32")
@@ -254,6 +257,7 @@ def test_processes_started_with_different_configs_are_refused(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_a_batch_the_devices_of_all_processes_do_not_divide_is_refused(tmp_path):
     rc, _, err = finish(start(tmp_path / "run", 2, 2, "--config.train.batch_size=6"))
     assert rc == 1

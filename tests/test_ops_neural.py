@@ -96,7 +96,7 @@ def assert_same_vjp(fn, ref_fn, args, seed=7):
 TTT_CASES = [
     # t, chunk, hidden, bias, activation, residual_norm
     (5, 4, HIDDEN, True, "gelu", False),
-    (19, 8, HIDDEN, True, "gelu", False),
+    pytest.param(19, 8, HIDDEN, True, "gelu", False, marks=pytest.mark.slow),
     (19, 1, (4, 6), False, "silu", True),
     (21, 1, HIDDEN, True, "gelu", False),  # online: a full block of 16, then a partial one
 ]
@@ -116,8 +116,8 @@ def test_ttt_mlp_matches_reference(t, chunk, hidden, bias, activation, residual_
 TITANS_CASES = [
     (5, 8, "after_write"),
     (19, 1, "after_write"),
-    (19, 1, "chunk_start"),
-    (19, 8, "after_write"),
+    pytest.param(19, 1, "chunk_start", marks=pytest.mark.slow),
+    pytest.param(19, 8, "after_write", marks=pytest.mark.slow),
     (19, 4, "chunk_start"),
 ]
 
@@ -164,13 +164,16 @@ def _online_case(name):
     return fn, args
 
 
-def _minibatch_scan_rule(carry, seq, *, chunk_size, form, read, window):
+def _minibatch_scan_rule(carry, seq, *, chunk_size, form, read, window, clip=None):
     """``chunk_scan.scan_rule`` through the mini-batch step even at chunk size 1 (every
     gradient at the state before its token; plain autodiff, differentiable to any order)."""
-    step = functools.partial(chunk_scan.minibatch_step, form=form, read=read, window=window)
+    step = functools.partial(
+        chunk_scan.minibatch_step, form=form, read=read, window=window, clip=clip
+    )
     return chunk_scan.scan_chunks(step, carry, seq, chunk_size=chunk_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["titans", "ttt_mlp"])
 def test_online_backward_is_differentiable(name, monkeypatch):
     """The online form's hand-written backward (``nested.ops.online``) differentiated again:
@@ -596,8 +599,12 @@ def stream_state(name):
 
 @pytest.mark.parametrize(
     ("name", "length", "cuts"),
-    [(name, 11, (3, 6)) for name in STREAM_OPS if name != "titans"]
-    + [("titans", 7, tuple(range(1, 7)))],
+    [
+        pytest.param(name, 11, (3, 6), marks=[pytest.mark.slow] * (name == "atlas"))
+        for name in STREAM_OPS
+        if name != "titans"
+    ]
+    + [pytest.param("titans", 7, tuple(range(1, 7)), marks=pytest.mark.slow)],
 )
 def test_a_stream_cut_inside_chunks_equals_one_call(name, length, cuts):
     """Pieces through ops.stream (chunks of 4; cuts inside chunks, a piece across a boundary;

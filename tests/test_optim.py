@@ -77,6 +77,7 @@ def test_newton_schulz_pushes_singular_values_towards_one():
     )
 
 
+@pytest.mark.slow
 def test_deep_momentum_level_follows_its_definition():
     level = optim.deep_momentum(hidden=4, lr=0.1, beta=0.9)
     tx = optim.as_optimizer(level, 0.05, seed=3)

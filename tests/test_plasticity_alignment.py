@@ -84,7 +84,11 @@ def axpy(alpha, x, y):
     return jax.tree.map(lambda a, b: alpha * a + b, x, y)
 
 
-@pytest.mark.parametrize("level", [delta(), mlp(), mlp(every=3)], ids=["linear", "mlp", "mlp3"])
+@pytest.mark.parametrize(
+    "level",
+    [delta(), *(pytest.param(level, marks=pytest.mark.slow) for level in (mlp(), mlp(every=3)))],
+    ids=["linear", "mlp", "mlp3"],
+)
 def test_alignment_equals_the_cut_streams_derivatives(level):
     ctx, state, w = make_context(T), start(level), weights()
     loss = lambda s: score(inner.run(level, s, ctx)[0], w)
@@ -116,6 +120,7 @@ def test_alignment_equals_the_cut_streams_derivatives(level):
         np.testing.assert_allclose(ratios, 4.0, rtol=0.15)
 
 
+@pytest.mark.slow
 def test_one_step_holds_the_later_updates():
     """With the later updates held, the delta rule carries a perturbation v of theta_u to every
     later state unchanged: dJ/de = sum_{t > u} w_t . (v q_t) for J = sum_t w_t . o_t."""
@@ -200,6 +205,7 @@ def batch(seed, rows=2, length=9):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((rows, length))}
 
 
+@pytest.mark.slow
 def test_a_program_measures_every_layer_and_a_later_batch():
     program = tiny_program(persist="stream")
     state = program.init(jax.random.key(0), batch_size=2)
@@ -297,7 +303,9 @@ class Replay:
         return jnp.concatenate(o, 1), state.replace(params=params)
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["batch", "later_batch"])
+@pytest.mark.parametrize(
+    "later", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["batch", "later_batch"]
+)
 def test_one_step_holds_every_later_update_of_every_layer(later):
     """Two layers, float64, J on the batch or on a later one: ``one_step`` equals the
     derivatives of J with every later update (this layer's, the other layer's, the later

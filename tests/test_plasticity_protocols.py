@@ -28,6 +28,7 @@ def trained(tmp_path_factory):
     return workdir, loading.load_trained(workdir)
 
 
+@pytest.mark.slow
 def test_training_logs_the_alignment_figures(trained):
     workdir, _ = trained
     records = metrics.read(workdir)
@@ -159,6 +160,7 @@ def test_a_task_without_ids_and_a_memory_that_restarts_are_one_line_errors(train
         report.run(bad, settings, explicit=True)
 
 
+@pytest.mark.slow
 def test_plasticity_entry_point_writes_its_json_and_plots(trained):
     workdir, _ = trained
     command = [

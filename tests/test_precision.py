@@ -4,6 +4,7 @@ fast state stay float32, and training follows the float32 run."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import tiny_configs
 
 from nested import data
@@ -21,6 +22,7 @@ def dtypes(tree):
     return {str(x.dtype) for x in jax.tree.leaves(tree)}
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_parameters_and_fast_states_in_float32():
     exp, state = build("continual", "bfloat16")
     tokens = data.as_arrays(exp.task.batch(0, exp.config.train.batch_size))["inputs"]

@@ -161,6 +161,7 @@ def test_export_and_import_round_trip_and_refuse_another_model(trained, corpus, 
     assert len(str(info.value)) < 400  # the file is not quoted back
 
 
+@pytest.mark.slow
 def test_sample_entry_point_prints_the_continuation(workdir, trained):
     flags = ["--prompt=def add(", "--max_new_tokens=12", "--temperature=0.8", "--top_k=8"]
     script = str(tiny_configs.ROOT / "experiments" / "sample.py")

@@ -100,6 +100,7 @@ def test_persist_stream_carries_fast_state_across_steps_and_sequence_resets():
     assert jnp.any(carried["stream"][2][0]["mixer"].params[0]["w"] != 0)
 
 
+@pytest.mark.slow
 def test_initial_state_of_a_carried_level_learns_from_the_rows_that_restart():
     """d(outer loss)/d(learned initial state) of a persist="stream" level, float64: a finite
     difference for a row that restarts (``reset``), exactly zero for a row that continues
@@ -151,6 +152,7 @@ def test_initial_state_of_a_carried_level_learns_from_the_rows_that_restart():
     assert float(jnp.max(jnp.abs(after - before))) > 1e-5
 
 
+@pytest.mark.slow
 def test_training_on_associative_recall_lifts_accuracy_far_above_chance():
     """A delta-rule LM learns in-context key -> value recall (MQAR, 4 pairs, vocab 64).
     (At lr 1e-2 it passes 0.85 query accuracy by step 200 for init seeds 0-3; at 3e-3 it took

@@ -13,9 +13,11 @@ phases of processes run side by side:
 2. the checkpoint of step 4 of the 8-device run resumed on one device and on ``fsdp=8``, and
    the one-device run's on ``data=2 x fsdp=2 x tensor=2``.
 
-The language models' steps alone (tiny Hope and Titans-MAC, 10 steps on three meshes) are a
-slow test; ``benchmarks/pod_memory.py`` (whose compile the bytes test uses) sizes a paper-size
-model on a pod.
+Every test here runs with -m slow (``.ci/run`` runs them after the default suite): the
+8-device processes take about a minute, the language models' steps (tiny Hope and Titans-MAC,
+10 steps on three meshes) and the 1.3B Transformer++ step compiled for 64 devices longer
+(``benchmarks/pod_memory.py``, whose compile the bytes test also uses, sizes any config on a
+pod).
 """
 
 import json
@@ -30,6 +32,8 @@ import pytest
 import tiny_configs
 
 from nested.run import metrics
+
+pytestmark = pytest.mark.slow
 
 EIGHT = "--xla_force_host_platform_device_count=8"
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -132,8 +136,16 @@ SCRIPT = textwrap.dedent(
         x = jax.ShapeDtypeStruct((8, 128, 64), jnp.float32)
         return grad.lower(placed, x).compile().memory_analysis().temp_size_in_bytes
 
+    def pod(variant, mesh, microbatches):
+        # a paper-size step compiled for every device of the process, nothing allocated
+        config = nc.load(f"configs/lm.py:{variant}")
+        config.train.mesh.update(**mesh)
+        config.train.microbatches, config.model.remat = microbatches, "full"
+        compiled = pod_memory.compiled_memory(config)
+        return {k: compiled[k] for k in ("parameters", "devices", "arguments", "bytes")}
+
     KINDS = {"train": train_run, "error": error, "lm": lm_losses, "bytes": state_bytes,
-             "mlp_temp": mlp_temp}
+             "mlp_temp": mlp_temp, "pod": pod}
     BATCH = json.loads(sys.argv[3])
     jobs = json.loads(sys.argv[2])
     out = {}
@@ -308,7 +320,6 @@ def test_a_mesh_that_does_not_fit_names_the_key(runs):
 LM_MESHES = {"data_fsdp_tensor": MESH, "fsdp": FSDP, "tensor_data": {"data": 4, "tensor": 2}}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["hope-tiny", "titans_mac-tiny"])
 def test_language_models_on_three_meshes_match_one_device(variant):
     """10 steps of a tiny language model on each mesh, and with 2 microbatches (4 rows each,
@@ -322,3 +333,18 @@ def test_language_models_on_three_meshes_match_one_device(variant):
     assert len(one) == 10 and np.all(np.isfinite(one))
     for name, losses in result.items():
         np.testing.assert_allclose(losses, one, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_paper_size_model_compiles_for_64_devices_within_80_gb():
+    """Transformer++ 1.3B (the largest size of configs/lm.py), its training step compiled for
+    data=1 x fsdp=16 x tensor=4 of 64 simulated devices with 8 microbatches and full remat:
+    XLA's per-device estimate is under an 80 GB device's memory, and the arguments hold about a
+    64th of the parameters and Adam's two moments (float32)."""
+    mesh = {"data": 1, "fsdp": 16, "tensor": 4}
+    result, _ = finish(start({"pod": ["pod", "transformer-1.3b", mesh, 8]}, devices=64, env={}))
+    pod = result["pod"]
+    assert pod["devices"] == 64
+    assert 1.2e9 < pod["parameters"] < 1.45e9, pod
+    state = 3 * 4 * pod["parameters"]  # parameters, Adam's mu and nu
+    assert state / 64 < pod["arguments"] < 1.5 * state / 64, pod
+    assert pod["bytes"] < 80e9, pod

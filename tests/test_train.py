@@ -159,7 +159,9 @@ def test_several_steps_per_call_give_the_same_run(finished, tmp_path):
                 np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
+)
 def test_sigterm_or_ctrl_c_saves_the_step_reached_and_the_run_resumes_exactly(
     finished, tmp_path, monkeypatch, signum
 ):

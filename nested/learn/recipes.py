@@ -152,13 +152,17 @@ def titans(
     hidden: int | None = None,
     every: int = 1,
     lr_scale: float | None = None,
+    clip: float | None = None,
     **level_kwargs,
 ) -> Level:
     """Titans' neural memory: momentum ``m_t``, step ``h_t`` in ``(0, lr_scale)`` and forgetting
     ``a_t`` gates. In chunks of ``every = C`` tokens the C steps of a chunk add up at the
     chunk-start state (and momentum amplifies them), so the default range shrinks with the
     chunk, ``lr_scale = 0.1 / C`` (0.1 per token): on text, C = 16 with 0.1 diverges at the
-    first step."""
+    first step. On a long run of one repeated token every gradient of a chunk is the same, the
+    momentum carries the chunk's step into the next ones (a step up to ``h C / (1 - m)`` a
+    chunk) and the memory diverges for ``m`` near 1; ``clip`` (the largest norm of one token's
+    gradient, ``rules.GradientDescent``) bounds every step (None: no clip, the paper's rule)."""
     if lr_scale is None:
         lr_scale = 0.1 / every
     memory = (
@@ -171,7 +175,7 @@ def titans(
         memory=memory,
         objective=objectives.l2,
         update=rules.gradient_descent(
-            "lr", momentum="momentum", decay="decay", gate_kinds=bounded_lr(lr_scale)
+            "lr", momentum="momentum", decay="decay", clip=clip, gate_kinds=bounded_lr(lr_scale)
         ),
         every=every,
         **level_kwargs,

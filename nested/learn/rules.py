@@ -20,11 +20,15 @@ fields to decide whether they implement a level:
 * :class:`GradientDescent` (also ``gradient_descent``, and ``sgd`` without momentum)::
 
       theta'  = a_t theta_{t-1}                      (retain, optional)
-      S_t     = m_t S_{t-1} - h_t grad L_t(theta')   (momentum optional: S_t = -h_t grad)
+      g_t     = grad L_t(theta') min(1, c / |grad L_t(theta')|)   (clip c, optional)
+      S_t     = m_t S_{t-1} - h_t g_t                (momentum optional: S_t = -h_t g_t)
       theta_t = (1 - d_t) theta' + S_t               (decay optional)
 
   delta rule = ``sgd(lr="beta")`` on ``1/2 |W k - v|^2``; Gated DeltaNet adds
-  ``retain="log_alpha"``; Titans is ``gradient_descent(lr, momentum=..., decay=...)``.
+  ``retain="log_alpha"``; Titans is ``gradient_descent(lr, momentum=..., decay=...)``. The
+  clip bounds each token's step whatever the weights (``|grad|`` the norm over the whole
+  memory): without it a chunked rule with momentum diverges on a long run of one repeated
+  input, where every gradient of a chunk is the same and grows with the weights.
 * :class:`Muon` (ATLAS's inner optimizer)::
 
       S_t     = m_t S_{t-1} - grad L_t(theta_{t-1})
@@ -156,6 +160,14 @@ def _scaled(c, tree):
 def _traced(m, trace, updates):
     """``S_t = m_t S_{t-1} + u_t``."""
     return jax.tree.map(lambda s, u: m * s + u, trace, updates)
+
+
+def _clipped(max_norm: float, tree):
+    """``u min(1, c / |u|)``, ``|u|`` the norm of the whole pytree, as ``c / sqrt(max(|u|^2,
+    c^2))``: differentiable everywhere, ``u = 0`` included (the square root of ``|u|^2`` is not
+    there, and optax's ``clip_by_global_norm`` gives NaN meta-gradients at zero)."""
+    squares = sum(jnp.sum(u * u) for u in jax.tree.leaves(tree))
+    return _scaled(max_norm * jax.lax.rsqrt(jnp.maximum(squares, max_norm**2)), tree)
 
 
 def _decayed(d, updates, params):
@@ -313,8 +325,9 @@ class GradientDescent(_GatedRule):
     """First-order rule with optional momentum, decay and retention (module docstring).
 
     ``lr``, ``momentum``, ``decay``: a constant or the name of a gate the owner emits;
-    ``retain``: a gate name or None; ``gate_kinds``: the :class:`Gate` of each role named by
-    a gate (defaults :data:`DEFAULT_GATES`, all in (0, 1)).
+    ``retain``: a gate name or None; ``clip``: the largest norm of one token's gradient (None:
+    no clip); ``gate_kinds``: the :class:`Gate` of each role named by a gate (defaults
+    :data:`DEFAULT_GATES`, all in (0, 1)).
     """
 
     lr: GateSpec = "lr"
@@ -322,12 +335,26 @@ class GradientDescent(_GatedRule):
     momentum: GateSpec | None = None
     decay: GateSpec | None = None
     retain: str | None = None
+    clip: float | None = None
     gate_kinds: Mapping[str, Gate] = DEFAULT_GATES
 
     def __post_init__(self):
         self._validate()
+        clip = self.clip
+        if clip is not None and not (
+            isinstance(clip, int | float)
+            and not isinstance(clip, bool)
+            and math.isfinite(clip)
+            and clip > 0
+        ):
+            raise ValueError(
+                f"GradientDescent: clip={self.clip!r} must be a positive number (the largest "
+                "norm of a token's gradient) or None"
+            )
 
     def update(self, grads, state: MomentumState, params=None, **gates):
+        if self.clip is not None:
+            grads = _clipped(self.clip, grads)
         updates = _scaled(-gate_value(self.lr, gates), grads)
         momentum = state.momentum
         if self.momentum is not None:

@@ -159,9 +159,12 @@ def next_carry(
     return ScanCarry(new_params, new_momentum, prefix)
 
 
-def minibatch_step(carry: ScanCarry, chunk: ChunkInputs, *, form: mm.MemoryForm, read, window):
+def minibatch_step(
+    carry: ScanCarry, chunk: ChunkInputs, *, form: mm.MemoryForm, read, window, clip=None
+):
     """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
-    ATLAS without Muon). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
+    ATLAS without Muon), each sample's gradient clipped to norm ``clip`` (None: not clipped).
+    chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
     k, v, band, prefix = window_samples(carry.prefix, chunk, window)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
@@ -169,6 +172,8 @@ def minibatch_step(carry: ScanCarry, chunk: ChunkInputs, *, form: mm.MemoryForm,
 
     def run(at, params, momentum):  # gradients at ``at``, reads of the state (params, momentum)
         grads = mm.sample_grads(at, k, v, form)
+        if clip is not None:
+            grads = mm.clipped(grads, at, clip)
         if read == "after_write":
             return grads, mm.dual_read(params, momentum, theta, chunk.q, grads, form)
         return grads, mm.mlp_apply(at, chunk.q, form)
@@ -235,15 +240,25 @@ def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, re
     return by_segments(run, carry, seg, coef, theta)
 
 
-def scan_rule(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, form, read, window):
+def scan_rule(
+    carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, form, read, window, clip=None
+):
     """The rule over a sequence (``scan_chunks``): ``minibatch_step`` over chunks of
-    ``chunk_size``, or for ``chunk_size=1`` ``online_step`` over blocks of ONLINE_BLOCK.
+    ``chunk_size`` (gradients clipped to norm ``clip`` unless None), or for ``chunk_size=1``
+    ``online_step`` over blocks of ONLINE_BLOCK (no clip: its backward is written out).
 
     Documents (``seq.starts`` (B, T), window 1): each runs as if alone, every one after the
     first from ``carry.restart``, its mini-batches counted from its start."""
     online_rule = chunk_size == 1
+    if online_rule and clip is not None:
+        raise ValueError(f"clip={clip!r} needs chunk_size > 1: the online rule does not clip")
+    kwargs = {} if online_rule else {"clip": clip}
     step = partial(
-        online_step if online_rule else minibatch_step, form=form, read=read, window=window
+        online_step if online_rule else minibatch_step,
+        form=form,
+        read=read,
+        window=window,
+        **kwargs,
     )
     if seq.starts is not None:
         if window != 1:

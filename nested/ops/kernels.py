@@ -153,9 +153,10 @@ def objective_is(*kinds: type) -> Check:
     return check
 
 
-def rule_is(kind: type, *, without: Sequence[str] = ()) -> Check:
-    """The rule is exactly ``kind``, has none of the parts ``without``, and every coefficient
-    it has is one number per token and head (a constant or a scalar gate)."""
+def rule_is(kind: type, *, without: Sequence[str] = (), clips: bool = False) -> Check:
+    """The rule is exactly ``kind``, has none of the parts ``without``, no gradient clip
+    unless ``clips`` (the kernel clips), and every coefficient it has is one number per token
+    and head (a constant or a scalar gate)."""
 
     def check(level: Level) -> str | None:
         rule = level.rule
@@ -164,6 +165,8 @@ def rule_is(kind: type, *, without: Sequence[str] = ()) -> Check:
         for part in without:
             if getattr(rule, part) is not None:
                 return f"rule has {part}={getattr(rule, part)!r}; this kernel has no {part}"
+        if getattr(rule, "clip", None) is not None and not clips:
+            return f"rule clips its gradients (clip={rule.clip!r}); this kernel does not"
         for role in ("lr", "momentum", "decay"):
             spec = getattr(rule, role)
             if isinstance(spec, str) and level.gates[spec].size is not None:
@@ -206,6 +209,13 @@ def online(level: Level) -> str | None:
 
 def after_write(level: Level) -> str | None:
     return None if level.read == "after_write" else f"read={level.read!r}, not 'after_write'"
+
+
+def clips_in_chunks(level: Level) -> str | None:
+    """A gradient clip only with mini-batches: the online path (``every=1``) does not clip."""
+    if getattr(level.rule, "clip", None) is not None and level.every == 1:
+        return f"rule clips (clip={level.rule.clip!r}) at every=1; the online path does not clip"
+    return None
 
 
 def untruncated(level: Level) -> str | None:
@@ -332,7 +342,15 @@ def _neural_gradient_descent(level: Level, state: LevelState, ctx):
         if documents:
             documents["start_params"] = start.params
         o, params = ttt_mlp(
-            q, k, ctx.v, lr, params=state.params, chunk_size=level.every, **network, **documents
+            q,
+            k,
+            ctx.v,
+            lr,
+            params=state.params,
+            chunk_size=level.every,
+            clip=rule.clip,
+            **network,
+            **documents,
         )
         return o, state.replace(params=params)
     if documents:
@@ -347,6 +365,7 @@ def _neural_gradient_descent(level: Level, state: LevelState, ctx):
         state=titans_state(state.params, state.opt_state.momentum),
         chunk_size=level.every,
         read=level.read,
+        clip=rule.clip,
         **network,
         **documents,
     )
@@ -517,6 +536,9 @@ def _neural_examples() -> list[Level]:
             memories.Featurized(memories.MLP(6, 3, hidden=5), degree=2),
             every=2,
         ),
+        # A clip small enough that most tokens' gradients are cut (and some not).
+        _level(objectives.l2, gd(momentum="momentum", decay="decay", clip=0.3), mlp, every=4),
+        _level(objectives.l2, gd(clip=0.3), ttt, every=3),
     ]
 
 
@@ -526,7 +548,8 @@ register(
         requires(
             memory_is(memories.Linear, memories.MLP, memories.Featurized),
             objective_is(objectives.L2),
-            rule_is(rules.GradientDescent, without=("retain",)),
+            rule_is(rules.GradientDescent, without=("retain",), clips=True),
+            clips_in_chunks,
             untruncated,
         ),
         _neural_gradient_descent,

@@ -144,6 +144,19 @@ def sample_grads(params: Params, x: Array, v: Array, form: MemoryForm) -> GradFa
     return GradFactors(tuple(inputs), tuple(deltas))
 
 
+def clipped(grads: GradFactors, params: Params, max_norm: float) -> GradFactors:
+    """Each sample's gradient scaled to norm at most ``max_norm`` (``rules.GradientDescent``'s
+    clip): ``|grad l_n|^2 = sum_l |delta_l|^2 (|x_l|^2 + 1 if layer l has a bias)``, a sum of
+    outer products' norms, and the factor ``c / sqrt(max(|grad l_n|^2, c^2))`` scales every
+    layer's delta."""
+    squares = sum(
+        jnp.sum(d * d, axis=-1) * (jnp.sum(x * x, axis=-1) + ("b" in layer))
+        for layer, x, d in zip(params, grads.inputs, grads.deltas, strict=True)
+    )
+    factor = max_norm * jax.lax.rsqrt(jnp.maximum(squares, max_norm**2))  # (B, H, N)
+    return grads._replace(deltas=tuple(d * factor[..., None] for d in grads.deltas))
+
+
 def weighted_grads(weights: Array, grads: GradFactors, params: Params) -> Params:
     """``sum_n weights_n grad l_n`` as a params-shaped pytree; weights (B, H, N)."""
     out = []

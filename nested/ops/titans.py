@@ -56,6 +56,7 @@ def titans(
     activation="gelu",
     residual_norm: bool = False,
     norm_eps: float = 1e-6,
+    clip: float | None = None,
     starts: jax.Array | None = None,
     start_state: TitansState | None = None,
 ) -> tuple[jax.Array, TitansState]:
@@ -71,6 +72,8 @@ def titans(
         (``nested.ops.stream`` cuts a stream anywhere).
       read: "after_write" or "chunk_start" (module docstring).
       activation, residual_norm, norm_eps: the memory network (``nested.ops.mlp_memory``).
+      clip: the largest norm of one token's gradient, or None (``rules.GradientDescent``'s
+        clip, ``mlp_memory.clipped``); needs chunk_size > 1.
       starts: (B, T) bool, True where a new document starts (packed documents, as in
         ``nested.ops.linear_attention``): each document runs as if alone, the first from
         ``state``, every later one from ``start_state``, its chunks counted from its start.
@@ -81,6 +84,7 @@ def titans(
     b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
     validation.check_gates(b, t, h, lr=lr, momentum=momentum, decay=decay)
     validation.check_int("chunk_size", chunk_size)
+    validation.check_clip(clip, chunk_size)
     validation.check_read(read)
     validation.check_memory_state(state, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm)
     validation.check_starts(starts, start_state, b, t, like=state[:2])
@@ -97,5 +101,6 @@ def titans(
         form=form,
         read=read,
         window=1,
+        clip=clip,
     )
     return o, TitansState(final.params, final.momentum)

@@ -33,6 +33,7 @@ def ttt_mlp(
     activation="gelu",
     residual_norm: bool = False,
     norm_eps: float = 1e-6,
+    clip: float | None = None,
     starts: jax.Array | None = None,
     start_params: mm.Params | None = None,
 ) -> tuple[jax.Array, mm.Params]:
@@ -48,6 +49,8 @@ def ttt_mlp(
         (``nested.ops.stream`` cuts a stream anywhere).
       activation: hidden activation name (``mlp_memory.ACTIVATIONS``) or callable.
       residual_norm: use f(x) = x + LN(MLP(x)) (needs d_k == d_v).
+      clip: the largest norm of one token's gradient, or None (``rules.GradientDescent``'s
+        clip, ``mlp_memory.clipped``); needs chunk_size > 1.
       starts: (B, T) bool, True where a new document starts (packed documents, as in
         ``nested.ops.linear_attention``): each document runs as if alone, the first from
         ``params``, every later one from ``start_params``, its mini-batches counted from its
@@ -59,6 +62,7 @@ def ttt_mlp(
     b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
     validation.check_gates(b, t, h, lr=lr)
     validation.check_int("chunk_size", chunk_size)
+    validation.check_clip(clip, chunk_size)
     validation.check_params(
         params, b=b, h=h, d_in=d_k, d_out=d_v, residual_norm=residual_norm, name="params"
     )
@@ -69,6 +73,6 @@ def ttt_mlp(
     restart = None if start_params is None else (cs.cast(tuple(start_params), dtype), None)
     carry = cs.ScanCarry(cs.cast(tuple(params), dtype), None, None, restart=restart)
     o, final = cs.scan_rule(
-        carry, seq, chunk_size=chunk_size, form=form, read="after_write", window=1
+        carry, seq, chunk_size=chunk_size, form=form, read="after_write", window=1, clip=clip
     )
     return o, final.params

@@ -105,6 +105,18 @@ def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> 
         raise ValueError(f"`{name}` must be {kind}{' or None' if optional else ''}, got {value!r}.")
 
 
+def check_clip(clip, chunk_size: int) -> None:
+    """A gradient clip is None or a positive number, with mini-batches (``chunk_size > 1``)."""
+    if clip is None:
+        return
+    if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 < clip < np.inf:
+        raise ValueError(f"`clip` must be a positive number or None, got {clip!r}.")
+    if chunk_size == 1:
+        raise ValueError(
+            "`clip` needs `chunk_size` > 1: the online rule (chunk_size=1) does not clip."
+        )
+
+
 def check_one_of(passed: dict[str, bool], what: str = "") -> str:
     """Checks that exactly one of the arguments ``passed`` (name -> whether it was given) was
     given; returns its name. ``what`` leads the message, e.g. ``"the op's state as "``."""
