@@ -36,6 +36,7 @@ unfinished log window).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging as pylogging
@@ -143,9 +144,16 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _abandoned_read(error: BaseException) -> bool:
+    """Whether ``error`` is what tensorstore's callback meets when it completes a failed
+    read's future: the loop already closed, or (timing) the future already cancelled."""
+    closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    return closed or isinstance(error, asyncio.InvalidStateError)
+
+
 def _quiet_closed_loops() -> None:
-    """From the first restore on, drop the "Event loop is closed" errors that tensorstore's
-    callbacks raise into the closed loop of a failed read, whenever they come (reported as
+    """From the first restore on, drop the errors that tensorstore's callbacks raise into the
+    loop of a failed read (:func:`_abandoned_read`), whenever they come (reported as
     unraisable, from C++: dozens of tracebacks per damaged step); every other unraisable
     error goes to the hook as before."""
     hook = sys.unraisablehook
@@ -153,8 +161,7 @@ def _quiet_closed_loops() -> None:
         return
 
     def quiet(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        if not _abandoned_read(unraisable.exc_value):
             hook(unraisable)
 
     quiet.nested_quiet_closed_loops = True
