@@ -30,7 +30,12 @@ Models (each a ``memory_lm`` whose mixer is named; every block adds a SwiGLU MLP
 The neural memories (TTT, Titans, ATLAS, Hope) update in chunks of :data:`CHUNK` = 16 tokens:
 TTT's mini-batch; Titans, ATLAS and Hope train chunk-wise, and the chunk is not reported, so
 16 is chosen. Not reported either, and chosen: the Titans segment and window (512), persistent
-tokens (4), the ATLAS window and degree (the ``atlas`` recipe's defaults), the Hope CMS periods.
+tokens (4), the ATLAS window and degree (the ``atlas`` recipe's defaults), the Hope CMS periods,
+and two guards of the Titans memory measured on text here (RESULTS.md, "Language modelling on
+real text"): its inner step range is half the ``titans`` recipe's (``lr_scale = 0.05 / C``;
+at 0.1 / C the ``small`` Titans diverged within 80 steps in two runs), and Hope's memory clips
+each token's gradient to norm 1 (``clip=1.0``, as titans-pytorch's ``max_grad_norm`` bounds
+the memory's per-sample gradients; without it the ``small`` Hope diverged at step 65).
 
 Sources (the setup each model trains in):
 
@@ -184,7 +189,10 @@ CPU = {
 
 WINDOW = 512  # Titans MAC segment, MAG / MAL attention window
 CMS_PERIODS = {"tiny": (16, 32, 64), "paper": (16, 64, 256)}  # Hope, fastest first (small: paper)
-MEMORY = {"memory": dict(rule="titans", every=CHUNK)}
+# The Titans memory's inner step range halved (the recipe's 0.1 / C a token), in every Titans
+# model and Hope, and Hope's per-token memory gradient clipped to norm 1 (the module docstring)
+TITANS_MEMORY = dict(rule="titans", every=CHUNK, lr_scale=0.05 / CHUNK)
+MEMORY = {"memory": TITANS_MEMORY}
 
 MODELS = {
     "transformer": dict(setup=GDN, model=dict(mixer="attention", window=None)),
@@ -251,7 +259,7 @@ def _hope(width: int, periods: tuple[int, ...]) -> tuple[dict, dict]:
     names = tuple(f"cms{i}" for i in range(1, len(periods) + 1))
     model = dict(mixer="self_modifying", projections="projections", cms=names)
     levels = {
-        "memory": dict(rule="titans", owner="projections", every=CHUNK),
+        "memory": dict(TITANS_MEMORY, owner="projections", clip=1.0),
         "projections": dict(rule="projections", every=CHUNK),
         **{
             name: dict(rule="cms", every=every, hidden=width // 2)
