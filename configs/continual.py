@@ -36,6 +36,7 @@ from nested.run import config as nc
 # sequence (with 8, a DeltaNet did not start recalling within 1200 steps), 3000 steps.
 AGENTS = dict(agent_every=32, switch_every=8, remap_fraction=0.5, num_pairs=16)
 TRAIN = dict(steps=3000)
+SLOW_PERIODS = (8, 32, 128)  # tokens; a sequence is 48, so the longer periods span sequences
 VARIANTS = {
     "one_level": dict(
         task=AGENTS, train=TRAIN, model=dict(mlp_ratio=2), levels={"memory": dict(rule="delta")}
@@ -49,17 +50,43 @@ VARIANTS = {
             "slow": dict(rule="cms", every=16, hidden=192),
         },
     ),
-    "hope": dict(
+    **{
+        f"{kind}_1_{period}": dict(
+            task=AGENTS,
+            train=TRAIN,
+            model=dict(mlp_ratio=2, head_levels=("slow",), consolidate=kind == "consolidate"),
+            levels={
+                "memory": dict(rule="delta"),
+                "slow": dict(rule="delta", accumulate=period, read="chunk_start"),
+            },
+        )
+        for kind in ("periods", "consolidate")
+        for period in SLOW_PERIODS
+    },
+    # One level at the bytes of the two-level models (their slow head carries its pending
+    # sum too): values 48 wide instead of 32, the MLP narrowed to keep the parameter count.
+    "one_level_wide": dict(
         task=AGENTS,
         train=TRAIN,
-        model=dict(mixer="self_modifying", projections="projections", cms=("cms1", "cms2")),
-        levels={
-            "memory": dict(rule="delta", owner="projections", persist="sequence"),
-            "projections": dict(rule="projections", every=8, persist="sequence"),
-            "cms1": dict(rule="cms", every=16, hidden=96),
-            "cms2": dict(rule="cms", every=48, hidden=96),
-        },
+        model=dict(mlp_hidden=90),
+        levels={"memory": dict(rule="delta", d_k=32, d_v=48)},
     ),
+    # Hope as in RESULTS.md (memory and projections restart at every sequence), and with
+    # them carried across sequences as one_level's memory is
+    **{
+        name: dict(
+            task=AGENTS,
+            train=TRAIN,
+            model=dict(mixer="self_modifying", projections="projections", cms=("cms1", "cms2")),
+            levels={
+                "memory": dict(rule="delta", owner="projections", persist=persist),
+                "projections": dict(rule="projections", every=8, persist=persist),
+                "cms1": dict(rule="cms", every=16, hidden=96),
+                "cms2": dict(rule="cms", every=48, hidden=96),
+            },
+        )
+        for name, persist in (("hope", "sequence"), ("hope_carried", "stream"))
+    },
 }
 
 

@@ -6,8 +6,9 @@ frozen, and measures what its fast levels' online updates do (``--protocols``, d
 that apply): the alignment of every update with the future loss, the continual-learning
 matrix over the task ids (or windows of the stream), the regret utility of a session on one
 task for another (fast state and slow weights) and the plasticity capacity over a long
-stream. Writes ``DIR/plasticity.json`` and ``DIR/plasticity_*.png``. Everything is in
-``nested.plasticity.report``.
+stream. Prints the model's budget first (slow parameters, bytes carried per agent:
+``nested.plasticity.budget``). Writes ``DIR/plasticity.json`` and ``DIR/plasticity_*.png``.
+Everything is in ``nested.plasticity.report``.
 """
 
 import json
@@ -17,7 +18,7 @@ from pathlib import Path
 from absl import flags
 from tqdm import tqdm
 
-from nested.plasticity import report
+from nested.plasticity import budget, report
 from nested.run import cli, loading, train
 
 _DEFAULTS = report.Settings()
@@ -42,6 +43,9 @@ _WINDOW_BATCHES = flags.DEFINE_integer(
 _CYCLES = flags.DEFINE_integer("cycles", _DEFAULTS.cycles, "Passes over the tasks (capacity).")
 _OUTER = flags.DEFINE_integer("outer_steps", _DEFAULTS.outer_steps, "Slow regret: outer steps.")
 _LR = flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Slow regret: Adam step.")
+_RESET = flags.DEFINE_list(
+    "reset_levels", [], "Transfer: levels restarted after each phase (where retention lives)."
+)
 _OUT = flags.DEFINE_string("out", None, "The JSON to write; default: DIR/plasticity.json.")
 flags.mark_flags_as_required(["workdir"])
 
@@ -66,8 +70,11 @@ def main(argv):
             cycles=_CYCLES.value,
             outer_steps=_OUTER.value,
             learning_rate=_LR.value,
+            reset_levels=tuple(_RESET.value),
         )
         trained = loading.load_trained(_WORKDIR.value)
+        spent = budget.budget(trained.program)
+        print(f"budget: {spent.describe()}", flush=True)
         print(
             f"measuring {', '.join(settings.protocols)} on {_WORKDIR.value} (step "
             f"{trained.step}); the first measurement compiles the model",
@@ -80,6 +87,7 @@ def main(argv):
                 )
             except report.PlasticityError as error:
                 sys.exit(f"error: {' '.join(str(error).split())}")
+        result["budget"] = spent._asdict()
         out = Path(_OUT.value or Path(_WORKDIR.value) / "plasticity.json")
         train.write_atomic(out, json.dumps(result, indent=1) + "\n")
         plots = report.plot(result, out.parent)

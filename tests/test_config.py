@@ -32,9 +32,12 @@ def test_every_config_file_builds_and_its_docstring_is_the_command(name):
     )
 
 
+CONTINUAL_MODELS = ["hope", "hope_carried", "one_level", "one_level_wide", "two_level"]
+CONTINUAL_MODELS += [f"{kind}_1_{c}" for kind in ("periods", "consolidate") for c in (8, 32, 128)]
+
+
 @pytest.mark.parametrize(
-    ("name", "others"),
-    [("mqar", ["hope"]), ("niah", []), ("continual", ["hope", "one_level", "two_level"])],
+    ("name", "others"), [("mqar", ["hope"]), ("niah", []), ("continual", CONTINUAL_MODELS)]
 )
 def test_unknown_variant_names_the_registered_rules(name, others):
     with pytest.raises(nc.ConfigError) as info:
@@ -236,7 +239,8 @@ def test_typo_in_a_key():
     config = tiny_configs.config("mqar")
     config.model.dimm = 3
     message = _error(config)
-    assert message.startswith("model.dimm is not a key of model; allowed: ['cms', 'conv', 'dim',")
+    allowed = "allowed: ['cms', 'consolidate', 'conv', 'dim',"
+    assert message.startswith(f"model.dimm is not a key of model; {allowed}")
     config = tiny_configs.config("mqar")
     config.trian = config_dict.ConfigDict()
     assert _error(config) == (

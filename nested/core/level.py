@@ -29,7 +29,7 @@ import optax
 from flax import nnx, struct
 
 from nested.learn.objectives import OuterLoss
-from nested.learn.rules import Gate, Rule, as_rule
+from nested.learn.rules import Gate, Rule, accumulated, as_rule
 
 PERSIST = ("sequence", "stream")
 READS = ("after_write", "chunk_start")
@@ -81,6 +81,11 @@ class Level:
     ``chunk``: compute chunk in tokens (a multiple of ``every``): the block rematerialised by
     ``jax.checkpoint`` in the generic path, the chunk size of a linear kernel; ``None`` picks
     one. It changes no result.
+    ``accumulate``: with ``C > 1`` (and ``every=1``) the rule's updates are summed and applied
+    every ``C`` tokens of the stream, the sum and count in the rule state
+    (:func:`nested.rules.accumulated`), so the period may span calls and sequences of a
+    carried stream: a slow memory of a continuum (``read="chunk_start"`` reads the last
+    applied state). The generic loop runs it.
 
     Which code runs the level follows from these fields alone: a kernel of
     :mod:`nested.ops.kernels` where one implements exactly this declaration, else the generic
@@ -97,6 +102,7 @@ class Level:
     truncate: int | None = None
     first_order: bool = False
     chunk: int | None = None
+    accumulate: int = 1
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -121,7 +127,14 @@ class Level:
             )
         if not callable(self.objective):
             raise ValueError(f"{where}: objective must be callable, got {self.objective!r}")
-        rule = as_rule(self.update)  # raises on a bad update
+        if not _positive_int(self.accumulate):
+            raise ValueError(f"{where}: accumulate={self.accumulate!r} must be an int >= 1")
+        if self.accumulate > 1 and (self.every != 1 or self.learns_outer_loss):
+            raise ValueError(
+                f"{where}: accumulate={self.accumulate} sums a per-token rule's updates over "
+                f"its period; it takes every=1 (got every={self.every!r}) and a local objective"
+            )
+        rule = self.rule  # raises on a bad update (or a retaining rule accumulated)
         if self.is_outer:
             if not callable(self.memory):
                 raise ValueError(
@@ -161,9 +174,17 @@ class Level:
 
     @property
     def rule(self) -> Rule:
-        return as_rule(self.update)
+        """The update as a rule (:func:`nested.rules.as_rule`), accumulated over
+        ``accumulate`` tokens when that is more than 1."""
+        rule = as_rule(self.update)
+        if self.accumulate == 1:
+            return rule
+        try:
+            return accumulated(rule, self.accumulate)
+        except ValueError as error:
+            raise ValueError(f"Level {self.name!r}: {error}") from None
 
     @property
     def gates(self) -> Mapping[str, Gate]:
         """Every gate the owner must emit: the rule's and the objective's."""
-        return {**as_rule(self.update).gates, **getattr(self.objective, "gates", {})}
+        return {**self.rule.gates, **getattr(self.objective, "gates", {})}

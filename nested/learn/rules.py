@@ -410,6 +410,31 @@ def sgd(
     return GradientDescent(lr, retain=retain, gate_kinds=gate_kinds)
 
 
+def accumulated(rule: Rule, every: int) -> UpdateRule:
+    """``rule`` whose updates are summed and applied every ``every`` tokens::
+
+        u_t     = rule(grad L_t(theta_s), gates_t)     (theta_s: the last applied state)
+        theta_t = theta_s + sum of the period's u      (at the period's last token)
+        theta_t = theta_s                              (at every other token)
+
+    The sum and the token count are rule state (``optax.MultiSteps`` with summed updates), so
+    they travel with the fast state: a period may span calls and sequences of a carried stream,
+    where a level's ``every`` (mini-batches of one call) cannot. Reads of a level with
+    ``read="chunk_start"`` then see ``theta_s`` until the period ends. A rule with a retention
+    gate is refused: its retention would still act every token."""
+    if rule.retain is not None:
+        raise ValueError(
+            f"accumulated: the rule retains by gate {rule.retain!r} every token; accumulate a "
+            "rule without retention"
+        )
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"accumulated: every={every!r} must be an int >= 1")
+    summed = optax.MultiSteps(optax.identity(), every, use_grad_mean=False)
+    return UpdateRule(
+        optax.chain(rule.transform, summed.gradient_transformation()), gates=rule.gates
+    )
+
+
 def as_rule(update: Any) -> Rule:
     """A level's ``update`` as a rule: a plain optax transformation becomes a rule with no
     gates; a value with ``transform`` and ``gates`` (:class:`Rule`) is used as it is."""

@@ -17,6 +17,7 @@ from nested.core import inner
 from nested.core.level import Level
 from nested.nn.attention import SlidingWindowAttention
 from nested.nn.cms import ContinuumMemory
+from nested.nn.frequencies import MultiFrequencyMemory
 from nested.nn.hope import SelfModifyingLayer
 from nested.nn.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
 from nested.nn.layers import MemoryLayer
@@ -64,10 +65,18 @@ def make_mixer(
     memory; ``persistent=`` their count), ``"gate"`` (Titans MAG: memory gating
     sliding-window attention), ``"layer"`` (Titans MAL: memory, then attention),
     ``"self_modifying"`` (Hope: the memory's projections are fast memories too; pass
-    ``projections=`` the projection level), ``"adatransformer"`` (attention whose MLP is the
-    memory, from the Nested Learning paper; ``window=None`` for full causal attention)."""
+    ``projections=`` the projection level), ``"memory"`` with ``head_levels=`` (some heads run
+    other levels: :class:`~nested.nn.frequencies.MultiFrequencyMemory`), ``"adatransformer"``
+    (attention whose MLP is the memory, from the Nested Learning paper; ``window=None`` for
+    full causal attention)."""
     if kind not in MIXERS:
         raise ValueError(f"mixer={kind!r} is unknown; use one of {MIXERS}")
+    head_levels = memory_kwargs.pop("head_levels", ())
+    if (head_levels or "consolidate" in memory_kwargs) and kind != "memory":
+        raise ValueError(
+            f"head_levels and consolidate split the heads of mixer='memory' among levels; "
+            f"mixer={kind!r} takes one level"
+        )
     if (kind == "attention") != (level is None):
         raise ValueError(
             f"mixer={kind!r}: mixer='attention' takes no fast level (level=None) and every "
@@ -83,6 +92,10 @@ def make_mixer(
         raise ValueError(
             f"persistent={memory_kwargs['persistent']!r} sets the persistent tokens of "
             f"mixer='context' (Titans MAC); mixer={kind!r} has none"
+        )
+    if head_levels:
+        return MultiFrequencyMemory(
+            level, head_levels=head_levels, dim=dim, heads=heads, rngs=rngs, **memory_kwargs
         )
     if kind == "memory":
         return MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)

@@ -12,10 +12,21 @@ program and a deployment of it:
 * :mod:`~nested.plasticity.capacity`: how much and in how many directions states change, and
   whether a long stream wears plasticity down;
 * :mod:`~nested.plasticity.deployment`: the deployed setting they run in;
+* :mod:`~nested.plasticity.budget`: what a model spends (slow parameters, carried bytes), for
+  comparisons at equal budgets;
 * :mod:`~nested.plasticity.report`: all of it on a trained run (``experiments/plasticity.py``).
 """
 
-from nested.plasticity import alignment, capacity, deployment, regret, report, transfer
+from nested.plasticity import alignment, budget, capacity, deployment, regret, report, transfer
 from nested.plasticity.deployment import Deployment
 
-__all__ = ["Deployment", "alignment", "capacity", "deployment", "regret", "report", "transfer"]
+__all__ = [
+    "Deployment",
+    "alignment",
+    "budget",
+    "capacity",
+    "deployment",
+    "regret",
+    "report",
+    "transfer",
+]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested import data
+from nested.core.level import LevelState
 from nested.learn import objectives
 
 # Held-out batches are drawn from this index on, so they never meet a session's batches.
@@ -49,18 +50,47 @@ def row_metrics(logits: jax.Array, batch: Mapping[str, jax.Array]) -> dict[str, 
     return out
 
 
+def _ratios(total: Mapping[str, Any]) -> dict[str, Any]:
+    """Loss per scored position and the accuracies of summed :func:`row_metrics` (floats, or
+    arrays of rows: a row that scored none of a kind gives nan there)."""
+
+    def ratio(a, b):
+        b = np.asarray(b, np.float64)
+        return np.divide(a, b, out=np.full(b.shape, np.nan), where=b > 0)
+
+    out = {
+        "loss": ratio(total["loss"], total["count"]),
+        "accuracy": ratio(total["correct"], total["count"]),
+    }
+    if "memory_count" in total:
+        out["memory_accuracy"] = ratio(total["memory_correct"], total["memory_count"])
+        out["in_context_accuracy"] = ratio(
+            total["correct"] - total["memory_correct"], total["count"] - total["memory_count"]
+        )
+    return out
+
+
 def rates(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
-    """Loss per scored position, accuracy, and from-memory accuracy where counted, pooled over
-    the rows and batches of ``parts`` (:func:`row_metrics` outputs)."""
+    """Loss per scored position, accuracy, and from-memory and in-context accuracy where
+    counted, pooled over the rows and batches of ``parts`` (:func:`row_metrics` outputs)."""
     total = {}
     for part in parts:
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + float(np.sum(value))
-    out = {"loss": total["loss"] / max(total["count"], 1.0)}
-    out["accuracy"] = total["correct"] / max(total["count"], 1.0)
-    if total.get("memory_count", 0.0) > 0:
-        out["memory_accuracy"] = total["memory_correct"] / total["memory_count"]
-    return out
+    out = {key: float(value) for key, value in _ratios(total).items()}
+    for key in ("loss", "accuracy"):  # nothing scored: 0
+        out[key] = 0.0 if np.isnan(out[key]) else out[key]
+    return {key: value for key, value in out.items() if not np.isnan(value)}
+
+
+def row_rates(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """:func:`rates` of each row ``(B,)`` (an agent) over the batches of ``parts``; nan where a
+    row scored none of a kind."""
+    total = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + np.asarray(value, np.float64)
+    return _ratios(total)
 
 
 class Deployment:
@@ -94,6 +124,12 @@ class Deployment:
     def fresh(self):
         return self._fresh(self.params)
 
+    def reset(self, fast, levels):
+        """``fast`` with the states of the levels named in ``levels`` restarted (fresh)."""
+        pick = lambda new, old: new if isinstance(new, LevelState) and new.level in levels else old
+        is_state = lambda x: isinstance(x, LevelState)
+        return jax.tree.map(pick, self.fresh(), fast, is_leaf=is_state)
+
     def with_params(self, params) -> Deployment:
         """This deployment with other slow weights, its compiled steps shared."""
         other = copy.copy(self)
@@ -119,9 +155,11 @@ class Deployment:
             out.append(metrics)
         return fast, out
 
-    def evaluate(self, fast, batches: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-        """:func:`rates` of ``batches``, each scored from ``fast`` (nothing kept)."""
-        return rates(self.step(fast, batch)[1] for batch in batches)
+    def evaluate(self, fast, batches: Iterable[Mapping[str, Any]], *, rows: bool = False):
+        """:func:`rates` of ``batches``, each scored from ``fast`` (nothing kept); with
+        ``rows``, also the :func:`row_rates` of every row: ``(rates, row rates)``."""
+        parts = [self.step(fast, batch)[1] for batch in batches]
+        return (rates(parts), row_rates(parts)) if rows else rates(parts)
 
 
 def has_task_ids(task) -> bool:

@@ -64,6 +64,7 @@ class Settings:
     learning_rate: float = 1e-3  # slow regret: Adam's step on task A
     linearization: int = 8  # alignment: updates whose removal is checked
     seed: int = 0
+    reset_levels: tuple[str, ...] = ()  # transfer: levels restarted after each phase (ablation)
 
 
 def _held_out_task(task, agent_seed: int):
@@ -91,6 +92,12 @@ def check(trained, settings: Settings, *, explicit: bool) -> dict[str, str]:
     if explicit and skipped:
         name, why = next(iter(skipped.items()))
         raise PlasticityError(f"--protocols={name}: {why}")
+    carried = [lv.name for lv in trained.experiment.system.fast_levels if lv.persist == "stream"]
+    strange = [name for name in settings.reset_levels if name not in carried]
+    if strange:
+        raise PlasticityError(
+            f"--reset_levels: {strange} are not levels carried across sessions; allowed: {carried}"
+        )
     count = getattr(task, "num_tasks", 0)
     bad = [t for t in settings.tasks or () if not 0 <= t < count]
     if bad:
@@ -134,6 +141,7 @@ def run(
                 sessions=settings.sessions,
                 session_length=settings.session_length,
                 eval_batches=settings.eval_batches,
+                reset=settings.reset_levels,
                 progress=progress,
             )
         else:

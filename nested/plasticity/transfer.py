@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from nested.plasticity.deployment import HELD_OUT, Deployment
+from nested.plasticity.regret import bootstrap_ci
 
 
 def check_matrix(R, name: str = "R") -> np.ndarray:
@@ -146,12 +147,15 @@ def summary(R, b=None, curves=None, beta: int | None = None) -> dict[str, float]
 
 
 # Metrics where higher is better; summaries are computed for these only (not for the loss).
-SCORES = ("accuracy", "memory_accuracy")
+SCORES = ("accuracy", "memory_accuracy", "in_context_accuracy")
 
 
-def _tables(rows, initial, curves=None) -> dict:
+def _tables(rows, initial, curves=None, agents=None) -> dict:
     """Stack lists of per-evaluation dicts into ``R``, ``b`` (and ``Z``) per metric, with the
-    :func:`summary` of every score."""
+    :func:`summary` of every score; with ``agents`` (the same evaluations per batch row, as
+    :func:`nested.plasticity.deployment.row_rates`), also ``intervals``: per score and summary
+    key ``[mean over agents, low, high]``, the 95% bootstrap interval of the mean of the
+    agents' own summaries (:func:`agent_intervals`)."""
     names = list(rows[0][0])
     out = {
         "R": {m: np.array([[x[m] for x in row] for row in rows]) for m in names},
@@ -164,7 +168,46 @@ def _tables(rows, initial, curves=None) -> dict:
         for m in names
         if m in SCORES
     }
+    if agents is not None:
+        rows_of, initial_of = agents
+        out["intervals"] = {
+            m: agent_intervals(
+                np.array([[x[m] for x in row] for row in rows_of]),
+                np.array([x[m] for x in initial_of]),
+            )
+            for m in names
+            if m in SCORES
+        }
     return out
+
+
+def agent_intervals(R_rows, b_rows) -> dict[str, list[float]]:
+    """``R_rows (T, T, A)`` and ``b_rows (T, A)``: each agent's matrix; returns for every
+    :func:`summary` key (but the learning curve area) ``[mean, low, high]`` over the agents
+    whose matrix is finite (an agent that met no query of a kind has none), the interval a
+    95% percentile bootstrap over those agents (``nested.plasticity.regret.bootstrap_ci``)."""
+    finite = np.all(np.isfinite(R_rows), axis=(0, 1)) & np.all(np.isfinite(b_rows), axis=0)
+    per_agent = [summary(R_rows[..., a], b_rows[:, a]) for a in np.flatnonzero(finite)]
+    if len(per_agent) < 2:
+        return {}
+    return {
+        key: [float(v) for v in bootstrap_ci(np.array([s[key] for s in per_agent]))]
+        for key in per_agent[0]
+        if np.all(np.isfinite([s[key] for s in per_agent]))
+    }
+
+
+def tracking_matrix(mappings) -> np.ndarray:
+    """``R`` of an ideal learner of the *current* mapping alone, on a stream whose tasks remap
+    keys: ``mappings (A, T, K)`` the key -> value maps of ``A`` agents' ``T`` tasks; ``R[i, j]``
+    is the share of task ``j``'s keys whose value task ``i`` left unchanged (queries uniform
+    over keys), so ``R[i, i] = 1``. Its backward transfer is the forgetting that the remapping
+    itself forces: no learner that answers a key with one value can score above it on keys
+    whose value changed, whatever it remembers."""
+    m = np.asarray(mappings)
+    if m.ndim != 3:
+        raise ValueError(f"mappings: expected (agents, tasks, keys), got shape {m.shape}")
+    return np.mean(m[:, :, None, :] == m[:, None, :, :], axis=(0, 3))
 
 
 def transfer_matrix(
@@ -175,6 +218,7 @@ def transfer_matrix(
     sessions: int,
     session_length: int,
     eval_batches: int,
+    reset: Sequence[str] = (),
     progress: Callable[[], None] = lambda: None,
 ) -> dict:
     """``R`` of a deployment over the task sequence ``tasks`` (each task once).
@@ -187,7 +231,9 @@ def transfer_matrix(
     phase (``s = 0``: before), for the learning curve area. ``batch_of(task, index)`` gives a
     batch (:func:`nested.plasticity.deployment.task_batches`). Returns ``{"tasks", "R", "b",
     "curves", "summary"}``: matrices per metric (loss, accuracy, memory_accuracy where the task
-    marks queries answerable only from memory), summaries per score.
+    marks queries answerable only from memory), summaries per score. ``reset``: levels whose
+    state restarts at the end of every phase, before it is scored (an ablation: what the
+    other levels hold of the tasks before).
     """
     tasks = list(tasks)
     if len(set(tasks)) != len(tasks) or not tasks:
@@ -199,21 +245,26 @@ def transfer_matrix(
 
     def score(fast, j):
         progress()
-        return deployment.evaluate(fast, held_out[j])
+        return deployment.evaluate(fast, held_out[j], rows=True)
 
     fast = deployment.fresh()
     initial = [score(fast, j) for j in tasks]
     rows, curves, index = [], [], 0
     for task in tasks:
-        curve = [score(fast, task)]
+        curve = [score(fast, task)[0]]
         for _ in range(sessions):
             batches = [batch_of(task, index + n) for n in range(session_length)]
             fast, _ = deployment.session(fast, batches)
             index += session_length
-            curve.append(score(fast, task))
+            curve.append(score(fast, task)[0])
         curves.append(curve)
+        if reset:
+            fast = deployment.reset(fast, reset)
         rows.append([score(fast, j) for j in tasks])
-    return {"tasks": tasks, **_tables(rows, initial, curves)}
+    pooled = lambda scores: [x for x, _ in scores]
+    agents = ([[a for _, a in row] for row in rows], [a for _, a in initial])
+    tables = _tables([pooled(row) for row in rows], pooled(initial), curves, agents)
+    return {"tasks": tasks, **tables}
 
 
 def windowed_matrix(

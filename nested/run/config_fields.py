@@ -35,7 +35,15 @@ CONFIG_TYPES = (int, float, str, bool, tuple)
 # Level fields a recipe passes through **level_kwargs (the recipe fixes the others), with
 # their config types: a fast level's `every` is an int.
 LEVEL_FIELDS = types.MappingProxyType(
-    {"every": int, "persist": str, "read": str, "truncate": int, "first_order": bool, "chunk": int}
+    {
+        "every": int,
+        "persist": str,
+        "read": str,
+        "truncate": int,
+        "first_order": bool,
+        "chunk": int,
+        "accumulate": int,
+    }
 )
 
 

@@ -43,6 +43,7 @@ from ml_collections import config_dict
 
 from nested import data
 from nested.learn import recipes
+from nested.nn.frequencies import MultiFrequencyMemory
 from nested.nn.hybrid import MemoryAsContext
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
@@ -135,7 +136,9 @@ def _memory_lm_widths(slot: str, hyper: Mapping[str, Any]) -> tuple[int, int]:
 
 
 MODELS: dict[str, ModelEntry] = {
-    "memory_lm": ModelEntry(MemoryLM, _memory_lm_widths, also=(MemoryLayer, MemoryAsContext)),
+    "memory_lm": ModelEntry(
+        MemoryLM, _memory_lm_widths, also=(MemoryLayer, MemoryAsContext, MultiFrequencyMemory)
+    ),
 }
 
 
