@@ -168,3 +168,39 @@ def test_regret_utility_known_gain():
     np.testing.assert_allclose(out["utility"], gain, atol=1e-12)
     assert np.all(out["low"] < gain) and np.all(gain < out["high"])
     assert np.all(out["high"] - out["low"] <= 2 * 0.3)
+
+
+def test_the_tracking_matrix_counts_the_keys_a_later_task_left_unchanged():
+    """Two agents, three tasks of four keys: agent 0 changes key 0 then keys 1 and 2, agent 1
+    changes key 3 then nothing; R[i, j] is the shared fraction of keys, averaged."""
+    mappings = [
+        [[10, 11, 12, 13], [20, 11, 12, 13], [20, 21, 22, 13]],
+        [[10, 11, 12, 13], [10, 11, 12, 23], [10, 11, 12, 23]],
+    ]
+    R = transfer.tracking_matrix(mappings)
+    expected = np.array(
+        [
+            [1.0, (0.75 + 0.75) / 2, (0.25 + 0.75) / 2],
+            [0.75, 1.0, (0.5 + 1.0) / 2],
+            [0.5, 0.75, 1.0],
+        ]
+    )
+    np.testing.assert_allclose(R, expected)
+    # its backward transfer is the forgetting the remapping forces
+    assert transfer.backward_transfer(R) == pytest.approx(((0.5 - 1) + (0.75 - 1)) / 2)
+    with pytest.raises(ValueError, match="agents, tasks, keys"):
+        transfer.tracking_matrix([[1, 2], [3, 4]])
+
+
+def test_agent_intervals_are_over_the_agents_with_a_finite_matrix():
+    """Three agents' R (the third met no query of the kind: nan); the estimate is the mean
+    of the first two agents' own BWT, inside its bootstrap interval."""
+    R0 = np.array([[1.0, 0.0], [0.5, 1.0]])
+    R1 = np.array([[0.8, 0.0], [0.6, 0.9]])
+    R2 = np.full((2, 2), np.nan)
+    rows = np.stack([R0, R1, R2], axis=-1)
+    intervals = transfer.agent_intervals(rows, np.zeros((2, 3)))
+    mean, low, high = intervals["backward_transfer"]
+    assert mean == pytest.approx(((0.5 - 1.0) + (0.6 - 0.8)) / 2)
+    assert low <= mean <= high and low == pytest.approx(-0.5) and high == pytest.approx(-0.2)
+    assert transfer.agent_intervals(rows[..., :1], np.zeros((2, 1))) == {}
