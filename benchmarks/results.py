@@ -192,6 +192,8 @@ FREQUENCY_MODELS = (
     "one_level",
     "one_level_wide",
     *(f"{kind}_1_{period}" for kind in ("periods", "consolidate") for period in (8, 32, 128)),
+    "one_level_wider",
+    "three_level",
     "hope_carried",
 )
 FREQUENCY_SEEDS = (0, 1, 2)
@@ -675,6 +677,15 @@ def frequencies_section(results, workdir: Path) -> list[str]:
             f"ACC {100 * acc:.1f} against {100 * base[0]:.1f}.",
             "",
         ]
+    if "three_level" in figures and "one_level_wider" in figures:
+        (acc, bwt), (acc1, bwt1) = figures["three_level"], figures["one_level_wider"]
+        verdict += [
+            f"Three levels: BWT {100 * bwt:.1f} against {100 * bwt1:.1f} for one_level_wider "
+            f"at equal bytes ({100 * (bwt - bwt1):+.1f} points), ACC {100 * acc:.1f} against "
+            f"{100 * acc1:.1f}.",
+            "",
+        ]
+    ablation = _ablation(models, workdir)
     return [
         "## Multi-frequency memory and forgetting",
         "",
@@ -687,6 +698,8 @@ def frequencies_section(results, workdir: Path) -> list[str]:
         "every C tokens (`levels.slow.accumulate`, periods across sequences of 48 tokens); "
         "`consolidate_1_C`, the slow head learning instead the fast head's keys and its reads "
         "of them (`model.consolidate`: the slow memory learns to reproduce the fast one); "
+        "`three_level`, three heads at periods {1, 16, 256}, each slower one consolidating the "
+        "one before, against `one_level_wider` at its bytes (both at 93k parameters); "
         "`hope_carried`, Hope with its memory and projections carried. The slow levels' step "
         "sizes are gates of the outer loop (learned). Deployed on held-out agents by "
         "`experiments/plasticity.py --protocols=transfer` (16 agents, 4 sessions of 2 "
@@ -706,7 +719,40 @@ def frequencies_section(results, workdir: Path) -> list[str]:
         *verdict,
         *details,
         "",
+        *ablation,
         *commands,
+        "",
+    ]
+
+
+def _ablation(models, workdir: Path) -> list[str]:
+    """Where retention lives: the first seed of each two-level model deployed again with one
+    level restarted after every phase (``plasticity_reset_<level>.json``, when measured)."""
+    lines = []
+    for model in models:
+        run = workdir / "frequencies" / model / f"seed{FREQUENCY_SEEDS[0]}"
+        for level in ("memory", "slow"):
+            path = run / f"plasticity_reset_{level}.json"
+            if not path.exists():
+                continue
+            summary = json.loads(path.read_text())["transfer"]["summary"]["memory_accuracy"]
+            cells = [_pct(summary[k]) for k in ("average_accuracy", "backward_transfer")]
+            lines.append(f"| {model} | {level} | " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    command = (
+        "`python experiments/plasticity.py --workdir=runs/results/frequencies/MODEL/seed0 "
+        "--sessions=4 --session_length=2 --protocols=transfer --reset_levels=LEVEL "
+        "--out=runs/results/frequencies/MODEL/seed0/plasticity_reset_LEVEL.json`"
+    )
+    return [
+        "Where retention lives (seed 0): from-memory ACC and BWT (%) with one level restarted "
+        f"after every phase ({command}); `memory` is the fast head's level, `slow` the slow "
+        "head's.",
+        "",
+        "| model | level restarted | ACC | BWT |",
+        "|---|---|---|---|",
+        *lines,
         "",
     ]
 

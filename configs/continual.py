@@ -25,6 +25,19 @@ how to learn an agent rather than the agents' mappings:
 * ``hope``: Hope: a self-modifying DeltaNet memory (its projections fast memories updated
   every 8 tokens, restarting at every sequence) and two persistent CMS blocks (width 96,
   periods 16 and 48, a sequence).
+
+Multi-frequency memories at equal budgets (RESULTS.md, "Multi-frequency memory and
+forgetting"; ``experiments/plasticity.py`` prints each model's slow parameters and carried
+bytes), every memory carried across sequences:
+
+* ``periods_1_C`` (C in 8, 32, 128): ``one_level`` whose second memory head is a slow level
+  learning the same stream, its updates summed and applied every C tokens
+  (``levels.slow.accumulate``; periods span sequences);
+* ``consolidate_1_C``: the slow head learns the fast head's keys and its reads of them;
+* ``one_level_wide``: one level at their bytes (values 48 wide, the MLP narrowed);
+* ``three_level``: three heads at periods 1, 16, 256, each slower one consolidating the one
+  before; ``one_level_wider``: one level at its bytes and parameters;
+* ``hope_carried``: ``hope`` with its memory and projections carried across sequences.
 """
 
 from ml_collections import config_dict
@@ -37,6 +50,7 @@ from nested.run import config as nc
 AGENTS = dict(agent_every=32, switch_every=8, remap_fraction=0.5, num_pairs=16)
 TRAIN = dict(steps=3000)
 SLOW_PERIODS = (8, 32, 128)  # tokens; a sequence is 48, so the longer periods span sequences
+THREE_MLP, WIDER_MLP = 128, 74  # the three-level pair, matched at 93k parameters
 VARIANTS = {
     "one_level": dict(
         task=AGENTS, train=TRAIN, model=dict(mlp_ratio=2), levels={"memory": dict(rule="delta")}
@@ -63,6 +77,26 @@ VARIANTS = {
         for kind in ("periods", "consolidate")
         for period in SLOW_PERIODS
     },
+    # Three levels, periods {1, 16, 256}: three heads of 32 x 32, each slower one
+    # consolidating the one before it; and one level at its bytes (values 80 wide)
+    "three_level": dict(
+        task=AGENTS,
+        train=TRAIN,
+        model=dict(heads=3, mlp_hidden=THREE_MLP, head_levels=("mid", "slow"), consolidate=True),
+        levels={
+            "memory": dict(rule="delta", d_k=32, d_v=32),
+            **{
+                name: dict(rule="delta", d_k=32, d_v=32, accumulate=period, read="chunk_start")
+                for name, period in (("mid", 16), ("slow", 256))
+            },
+        },
+    ),
+    "one_level_wider": dict(
+        task=AGENTS,
+        train=TRAIN,
+        model=dict(mlp_hidden=WIDER_MLP),
+        levels={"memory": dict(rule="delta", d_k=32, d_v=80)},
+    ),
     # One level at the bytes of the two-level models (their slow head carries its pending
     # sum too): values 48 wide instead of 32, the MLP narrowed to keep the parameter count.
     "one_level_wide": dict(
@@ -107,9 +141,8 @@ def get_config(arg=None):
         "memory_lm",
         level="memory",  # the mixer's fast level: levels.memory
         dim=64,
-        heads=2,
         layers=1,
-        **{"mlp_ratio": 0, **spec.get("model", {})},
+        **{"heads": 2, "mlp_ratio": 0, **spec.get("model", {})},
     )
     config.levels = config_dict.ConfigDict(
         {

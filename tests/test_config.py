@@ -32,7 +32,8 @@ def test_every_config_file_builds_and_its_docstring_is_the_command(name):
     )
 
 
-CONTINUAL_MODELS = ["hope", "hope_carried", "one_level", "one_level_wide", "two_level"]
+CONTINUAL_MODELS = ["hope", "hope_carried", "one_level", "one_level_wide", "one_level_wider"]
+CONTINUAL_MODELS += ["three_level", "two_level"]
 CONTINUAL_MODELS += [f"{kind}_1_{c}" for kind in ("periods", "consolidate") for c in (8, 32, 128)]
 
 

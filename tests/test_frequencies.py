@@ -152,7 +152,7 @@ def test_bad_head_levels_are_one_error_each():
     with pytest.raises(ValueError, match="memory and gates of 'fast'"):
         layers((gated,))
     slow = nl.recipes.delta("slow", d_k=4, d_v=4)
-    with pytest.raises(ValueError, match="between 1 and heads - 1"):
+    with pytest.raises(ValueError, match="leave no head of heads=2 to level 'fast'"):
         layers((slow, slow))
     with pytest.raises(ValueError, match="mixer='gate' takes one level"):
         make_mixer(
@@ -199,6 +199,9 @@ def test_the_multi_frequency_variants_spend_the_budget_of_one_level_at_equal_byt
         # the memories (2 heads of 32 x 32 float32), the slow head's pending sum, two counters
         # and the convolution's last 3 inputs of 192 features
         assert two.carried_bytes == 2 * 4096 + 4096 + 8 + 3 * 192 * 4
+    three, wider = spend("three_level"), spend("one_level_wider")
+    assert abs(three.slow_parameters / wider.slow_parameters - 1) < 0.02
+    assert abs(three.carried_bytes / wider.carried_bytes - 1) < 0.05
 
 
 def test_a_level_reset_after_each_phase_restarts_only_that_level():

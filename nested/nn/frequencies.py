@@ -51,8 +51,9 @@ class MultiFrequencyMemory(MemoryLayer):
     ):
         if not head_levels or len(head_levels) >= heads:
             raise ValueError(
-                f"head_levels: {len(head_levels)} levels need between 1 and heads - 1 = "
-                f"{heads - 1} heads; raise model.heads or name fewer levels"
+                f"head_levels: {len(head_levels)} levels, one head each, leave no head of "
+                f"heads={heads} to level {level.name!r}; set model.heads to at least "
+                f"{len(head_levels) + 1} or name fewer levels"
             )
         for other in head_levels:
             if other.memory != level.memory or other.gates != level.gates:
