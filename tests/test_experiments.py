@@ -105,7 +105,8 @@ def test_eval_sessions_carry_the_memory_across_processes(tmp_path):
 BAD_INPUTS = {
     "typo in an override": (
         ["--config.model.dimm=3"],
-        "error: --config.model.dimm: config.model has no key 'dimm'; allowed: ['cms', 'conv', ",
+        "error: --config.model.dimm: config.model has no key 'dimm'; allowed: "
+        "['cms', 'consolidate', ",
     ),
     "unknown rule": (
         ["--config.levels.memory.rule=detla"],

@@ -174,7 +174,7 @@ def start(jobs: dict, *, devices: int, env: dict) -> subprocess.Popen:
 
 def finish(process: subprocess.Popen) -> tuple[dict, str]:
     try:
-        out, err = process.communicate(timeout=600)
+        out, err = process.communicate(timeout=1200)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
