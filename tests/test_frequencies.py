@@ -101,19 +101,25 @@ def test_heads_at_one_level_split_into_groups_equal_the_one_level_layer():
 
 
 def test_a_slow_head_runs_its_own_level_on_its_heads():
-    """Head 0 per token, head 1 accumulated over 4 tokens: each head's reads are its level's
-    on that head's context, and the slow head's differ from a per-token head's."""
+    """Head 0 per token, head 1 accumulated over 4 tokens: each head's reads are the plain
+    per-token loops of ``test_inner.reference`` on that head's context (per token; chunks of
+    4 read at their start), and the slow head's differ from a per-token head's."""
     slow = nl.recipes.delta("slow", d_k=4, d_v=4, accumulate=4, read="chunk_start")
     one, many = layers((slow,))
     x = inputs(1)
-    ctx, _ = many.context(x, many.initial_state(2)[0].cache)
     states = many.initial_state(2)
+    ctx, _ = many.context(x, states[0].cache)
     expected = []
-    for (level, a, n), state in zip(many.groups, states, strict=True):
-        part = jax.tree.map(lambda t, a=a, n=n: t[:, :, a : a + n], ctx._replace(starts=None))
-        expected.append(inner.run(level, state, part._replace(initial=None))[0])
+    for (every, read), (_, a, n), state in zip(
+        ((1, "after_write"), (4, "chunk_start")), many.groups, states, strict=True
+    ):
+        part = jax.tree.map(lambda t, a=a, n=n: t[:, :, a : a + n], ctx)
+        W0 = state.params[0]["w"]
+        expected.append(reference(part, W0, every, delta_step, read=read)[0])
     y, _ = many(x, states)
-    np.testing.assert_allclose(y, many.readout(jnp.concatenate(expected, 2), x), rtol=1e-12)
+    np.testing.assert_allclose(
+        y, many.readout(jnp.concatenate(expected, 2), x), rtol=1e-6, atol=1e-6
+    )
     y_one, _ = one(x, one.initial_state(2))
     assert float(jnp.abs(y - y_one).max()) > 1e-4
 
@@ -152,6 +158,8 @@ def test_bad_head_levels_are_one_error_each():
     with pytest.raises(ValueError, match="memory and gates of 'fast'"):
         layers((gated,))
     slow = nl.recipes.delta("slow", d_k=4, d_v=4)
+    with pytest.raises(ValueError, match="name the levels of the other heads"):
+        layers((), consolidate=True)
     with pytest.raises(ValueError, match="leave no head of heads=2 to level 'fast'"):
         layers((slow, slow))
     with pytest.raises(ValueError, match="mixer='gate' takes one level"):

@@ -49,7 +49,12 @@ class MultiFrequencyMemory(MemoryLayer):
         rngs: nnx.Rngs,
         **layer_kwargs,
     ):
-        if not head_levels or len(head_levels) >= heads:
+        if not head_levels:
+            raise ValueError(
+                "head_levels: name the levels of the other heads (model.head_levels); "
+                "consolidate=True needs them"
+            )
+        if len(head_levels) >= heads:
             raise ValueError(
                 f"head_levels: {len(head_levels)} levels, one head each, leave no head of "
                 f"heads={heads} to level {level.name!r}; set model.heads to at least "
@@ -81,7 +86,7 @@ class MultiFrequencyMemory(MemoryLayer):
 
     def initial_state(self, batch_size: int) -> tuple[LevelState, ...]:
         params = per_sequence(self.initial_params.get_value(), batch_size)
-        cache = super().initial_state(batch_size).cache
+        cache = self.initial_cache(batch_size)
         return tuple(
             inner.initial_state(
                 lv, jax.tree.map(lambda p, a=a, n=n: p[:, a : a + n], params), None if i else cache
@@ -103,6 +108,7 @@ class MultiFrequencyMemory(MemoryLayer):
             )
             if self.consolidate and previous is not None:
                 prev_level, prev_state, prev_part = previous
+                # the faster group runs a second time, reading its keys: its cost doubles
                 recalled, _ = inner.run(prev_level, prev_state, prev_part._replace(q=prev_part.k))
                 part = part._replace(k=prev_part.k, v=recalled)
             o, new = inner.run(lv, state, part)

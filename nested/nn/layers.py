@@ -163,15 +163,19 @@ class MemoryLayer(nnx.Module):
         self.gate_out = linear(dim, heads * d_v) if output_gate else None
         self.out = linear(heads * d_v, dim, use_bias=False)
 
-    def initial_state(self, batch_size: int) -> LevelState:
-        """The state a sequence starts from: the learned ``theta_0`` for every batch element."""
-        params = per_sequence(self.initial_params.get_value(), batch_size)
+    def initial_cache(self, batch_size: int) -> dict:
+        """The layer's own per-stream state at a sequence's start (convolution, key shift)."""
         cache = {}
         if self.conv is not None:
             cache["conv"] = self.conv.initial_cache(batch_size)
         if self.key_shift:
             cache["key"] = jnp.zeros((batch_size, self.heads, self.level.memory.d_k), jnp.float32)
-        return inner.initial_state(self.level, params, cache)
+        return cache
+
+    def initial_state(self, batch_size: int) -> LevelState:
+        """The state a sequence starts from: the learned ``theta_0`` for every batch element."""
+        params = per_sequence(self.initial_params.get_value(), batch_size)
+        return inner.initial_state(self.level, params, self.initial_cache(batch_size))
 
     def context(self, x: jax.Array, cache: dict, starts=None):
         """Project ``x (B, T, dim)`` to the level's context; returns ``(Context, cache)``.

@@ -93,7 +93,7 @@ def make_mixer(
             f"persistent={memory_kwargs['persistent']!r} sets the persistent tokens of "
             f"mixer='context' (Titans MAC); mixer={kind!r} has none"
         )
-    if head_levels:
+    if head_levels or "consolidate" in memory_kwargs:
         return MultiFrequencyMemory(
             level, head_levels=head_levels, dim=dim, heads=heads, rngs=rngs, **memory_kwargs
         )

@@ -73,11 +73,7 @@ def _ratios(total: Mapping[str, Any]) -> dict[str, Any]:
 def rates(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
     """Loss per scored position, accuracy, and from-memory and in-context accuracy where
     counted, pooled over the rows and batches of ``parts`` (:func:`row_metrics` outputs)."""
-    total = {}
-    for part in parts:
-        for key, value in part.items():
-            total[key] = total.get(key, 0.0) + float(np.sum(value))
-    out = {key: float(value) for key, value in _ratios(total).items()}
+    out = {key: float(value) for key, value in _ratios(_summed(parts, np.sum)).items()}
     for key in ("loss", "accuracy"):  # nothing scored: 0
         out[key] = 0.0 if np.isnan(out[key]) else out[key]
     return {key: value for key, value in out.items() if not np.isnan(value)}
@@ -86,11 +82,17 @@ def rates(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
 def row_rates(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """:func:`rates` of each row ``(B,)`` (an agent) over the batches of ``parts``; nan where a
     row scored none of a kind."""
+    return _ratios(_summed(parts, lambda value: value))
+
+
+def _summed(parts: Iterable[Mapping[str, np.ndarray]], reduce) -> dict[str, Any]:
+    """Each :func:`row_metrics` key summed over ``parts``, every part's value ``reduce``-d
+    first (``np.sum``: over rows too; the identity: per row)."""
     total = {}
     for part in parts:
         for key, value in part.items():
-            total[key] = total.get(key, 0.0) + np.asarray(value, np.float64)
-    return _ratios(total)
+            total[key] = total.get(key, 0.0) + np.asarray(reduce(value), np.float64)
+    return total
 
 
 class Deployment:
