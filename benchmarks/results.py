@@ -58,14 +58,15 @@ flags.DEFINE_integer("timeout", 3600, "Seconds before a row is stopped (and repo
 flags.DEFINE_list(
     "sections",
     None,
-    "Rewrite only these sections of --out (plasticity, companion, lm, frequencies), keeping the "
-    "rest of the page.",
+    "Rewrite only these sections of --out (plasticity, companion, lm, frequencies, "
+    "frequencies_disjoint), keeping the rest of the page.",
 )
 SECTIONS = {
     "plasticity": "Functional plasticity",
     "companion": "Agent companion",
     "lm": "Language modelling on real text",
     "frequencies": "Multi-frequency memory and forgetting",
+    "frequencies_disjoint": "Multi-frequency memory on disjoint keys",
 }
 
 
@@ -163,16 +164,17 @@ def rows(widths: Sequence[int]) -> list[Row]:
         config = f"configs/mqar.py:{rule}"
         out.append(Row(f"plasticity/{rule}", config, after=(PLASTICITY, "--protocols=alignment")))
     out.append(Row("companion/delta", "configs/companion.py", after=(COMPANION_STUDY,)))
-    for seed in FREQUENCY_SEEDS:
-        for variant in FREQUENCY_MODELS:
-            out.append(
-                Row(
-                    f"frequencies/{variant}/seed{seed}",
-                    f"configs/continual.py:{variant}",
-                    (("seed", seed),),
-                    after=(PLASTICITY, *FREQUENCY_FLAGS),
+    for stream, (models, overrides) in FREQUENCY_STREAMS.items():
+        for seed in FREQUENCY_SEEDS:
+            for variant in models:
+                out.append(
+                    Row(
+                        f"{stream}/{variant}/seed{seed}",
+                        f"configs/continual.py:{variant}",
+                        (("seed", seed), *overrides),
+                        after=(PLASTICITY, *FREQUENCY_FLAGS),
+                    )
                 )
-            )
     for model in LM_MODELS:
         overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS), LM_DOCUMENTS)
         out.append(Row(f"lm/{model}", f"configs/lm.py:{model}-small", overrides, after=(EVAL_LM,)))
@@ -198,6 +200,22 @@ FREQUENCY_MODELS = (
 )
 FREQUENCY_SEEDS = (0, 1, 2)
 FREQUENCY_FLAGS = ("--sessions=4", "--session_length=2", "--protocols=transfer")
+# The same comparison on a stream where retention can pay: every task its own 32 keys (tokens
+# 1..128 of a vocabulary of 288), so no later task changes an earlier task's answers.
+DISJOINT_MODELS = (
+    "one_level",
+    "one_level_wide",
+    "periods_1_32",
+    "consolidate_1_32",
+    "consolidate_1_128",
+    "one_level_wider",
+    "three_level",
+)
+DISJOINT = (("task.disjoint_keys", True), ("task.remap_fraction", 1.0), ("task.vocab_size", 288))
+FREQUENCY_STREAMS = {
+    "frequencies": (FREQUENCY_MODELS, ()),
+    "frequencies_disjoint": (DISJOINT_MODELS, DISJOINT),
+}
 
 # Language modelling on real text: the Python documentation's reStructuredText sources
 # (Debian's python3-doc: `apt-get install python3-doc`), a BPE of 8192 trained on them, the
@@ -559,15 +577,15 @@ def plasticity_section(results, workdir: Path) -> list[str]:
     ]
 
 
-def _by_model(results, workdir: Path) -> dict[str, list[tuple[dict, dict | None]]]:
-    """``{variant: [(row record, plasticity.json or None) per seed]}`` of the frequencies rows."""
+def _by_model(results, workdir: Path, stream: str) -> dict[str, list[tuple[dict, dict | None]]]:
+    """``{variant: [(row record, plasticity.json or None) per seed]}`` of a stream's rows."""
     out: dict[str, list] = {}
     for row_id, (record, _) in results.items():
-        if row_id.startswith("frequencies/"):
+        if row_id.startswith(f"{stream}/"):
             path = workdir / row_id / "plasticity.json"
             result = json.loads(path.read_text()) if path.exists() else None
             out.setdefault(row_id.split("/")[1], []).append((record, result))
-    return {m: out[m] for m in FREQUENCY_MODELS if m in out}
+    return {m: out[m] for m in FREQUENCY_STREAMS[stream][0] if m in out}
 
 
 def _over_seeds(values: list[float], spread: bool = True) -> str:
@@ -580,14 +598,17 @@ def _over_seeds(values: list[float], spread: bool = True) -> str:
     return f"{mean} [{100 * min(values):.1f}, {100 * max(values):.1f}]"
 
 
-def _tracking(settings: dict) -> np.ndarray:
+def _tracking(settings: dict, overrides) -> np.ndarray:
     """The continual stream's tracking matrix (``transfer.tracking_matrix``) over the held-out
-    agents ``experiments/plasticity.py`` deploys with ``settings``."""
+    agents ``experiments/plasticity.py`` deploys with ``settings``, the stream's task fields
+    set by the ``task.`` overrides."""
     task = nc.build(nc.load("configs/continual.py:one_level")).task
-    task = dataclasses.replace(task, seed=task.seed + settings["agent_seed"])
+    fields = {k.removeprefix("task."): v for k, v in overrides if k.startswith("task.")}
+    task = dataclasses.replace(task, seed=task.seed + settings["agent_seed"], **fields)
     rows = range(settings["batch_size"])
     tasks = range(task.num_tasks)
-    return transfer.tracking_matrix([[task.mapping(j, r, -1) for j in tasks] for r in rows])
+    mappings = [[task.mapping(j, r, -1) for j in tasks] for r in rows]
+    return transfer.tracking_matrix(mappings, [task.keys(j) for j in tasks])
 
 
 def _kept(R: np.ndarray, A: np.ndarray) -> float:
@@ -597,9 +618,10 @@ def _kept(R: np.ndarray, A: np.ndarray) -> float:
     return float(np.mean((R - A * np.diag(R)[None, :])[below]))
 
 
-def frequencies_section(results, workdir: Path) -> list[str]:
-    """The "Multi-frequency memory and forgetting" section's lines."""
-    models = _by_model(results, workdir)
+def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]]:
+    """One stream's table of the multi-frequency models (``_by_model``; the stream's config
+    ``overrides``): its lines with the verdicts after it, the per-seed intervals, the
+    commands."""
     metric = "memory_accuracy"
     head = ["model", "slow params", "carried bytes", "seeds", "ACC", "BWT", "FWT"]
     head += ["forgetting (max)", "old values kept", "in-context ACC"]
@@ -608,7 +630,7 @@ def frequencies_section(results, workdir: Path) -> list[str]:
     settings = next(
         (r["settings"] for runs in models.values() for _, r in runs if r is not None), None
     )
-    A = None if settings is None else _tracking(settings)
+    A = None if settings is None else _tracking(settings, overrides)
     if A is not None:
         ideal = transfer.summary(A, np.zeros(len(A)))
         cells = ["current-mapping tracker (ideal)", "", "", ""]
@@ -685,6 +707,14 @@ def frequencies_section(results, workdir: Path) -> list[str]:
             f"{100 * acc1:.1f}.",
             "",
         ]
+    return [*lines, "", *verdict], details, commands
+
+
+def frequencies_section(results, workdir: Path) -> list[str]:
+    """The "Multi-frequency memory and forgetting" section's lines: the shared-key stream's
+    table with its level ablation."""
+    models = _by_model(results, workdir, "frequencies")
+    table, details, commands = _frequency_table(models, FREQUENCY_STREAMS["frequencies"][1])
     ablation = _ablation(models, workdir)
     return [
         "## Multi-frequency memory and forgetting",
@@ -714,12 +744,36 @@ def frequencies_section(results, workdir: Path) -> list[str]:
         "A[i, j] R[j, j] (A the tracker's matrix), the answers on keys whose value changed "
         "since, which only a memory of the old values gives.",
         "",
-        *lines,
-        "",
-        *verdict,
+        *table,
         *details,
         "",
         *ablation,
+        *commands,
+        "",
+    ]
+
+
+def frequencies_disjoint_section(results, workdir: Path) -> list[str]:
+    """The "Multi-frequency memory on disjoint keys" section's lines (none until one of its
+    rows is measured)."""
+    models = _by_model(results, workdir, "frequencies_disjoint")
+    if not models:
+        return []
+    table, details, commands = _frequency_table(models, DISJOINT)
+    flags = " ".join(f"`--config.{k}={v}`" for k, v in DISJOINT)
+    return [
+        f"## {SECTIONS['frequencies_disjoint']}",
+        "",
+        "The same models, training and deployment on the stream whose every task has keys of "
+        f"its own (`task.disjoint_keys`: {flags}; 4 tasks of 32 keys): no later task changes "
+        "an earlier task's answers, so a memory that kept every pair would score R[i, j] = "
+        "R[j, j] (BWT 0) and whatever is lost is interference in the model's own state. The "
+        "tracker of the current mapping recalls no earlier task here (its R is the identity), "
+        "so 'old values kept' is the mean from-memory accuracy on earlier tasks.",
+        "",
+        *table,
+        *details,
+        "",
         *commands,
         "",
     ]
@@ -1082,6 +1136,7 @@ def markdown(results, workdir: Path, row_notes: dict[str, str], observations: st
         "",
         *plasticity_section(results, workdir),
         *frequencies_section(results, workdir),
+        *frequencies_disjoint_section(results, workdir),
         *companion_section(results, workdir),
         *lm_section(results, workdir),
     ]
@@ -1127,6 +1182,7 @@ def main(argv):
                 "companion": companion_section,
                 "lm": lm_section,
                 "frequencies": frequencies_section,
+                "frequencies_disjoint": frequencies_disjoint_section,
             }[name]
             section = "\n".join(build(results, base)).strip() + "\n\n"
             title = re.escape(SECTIONS[name])

@@ -358,13 +358,16 @@ def assert_follows(batch, task, task_id):
     f^r(q), fed right after it, with f^r = task.mapping(task_id, r)."""
     rows, times = np.nonzero(batch.mask)
     assert rows.size == batch.inputs.shape[0] * task.num_queries
+    first = task.keys(task_id)[0]
     for r, t in zip(rows, times, strict=True):
         key = batch.inputs[r, t]
-        assert batch.targets[r, t] == task.mapping(task_id, r)[key - 1] == batch.inputs[r, t + 1]
+        value = task.mapping(task_id, r)[key - first]
+        assert batch.targets[r, t] == value == batch.inputs[r, t + 1]
     pairs = batch.inputs[:, : 2 * task.num_pairs]
+    assert np.isin(batch.inputs[:, 0::2], task.keys(task_id)).all()
     for r in range(batch.inputs.shape[0]):
         f = task.mapping(task_id, r)
-        np.testing.assert_array_equal(pairs[r, 1::2], f[pairs[r, 0::2] - 1])
+        np.testing.assert_array_equal(pairs[r, 1::2], f[pairs[r, 0::2] - first])
 
 
 def small_continual(**fields):
@@ -386,6 +389,26 @@ def test_continual_mapping_changes_at_task_boundaries():
     assert_follows(boundary, task, 1)
     with pytest.raises(AssertionError):
         assert_follows(boundary, task, 0)
+
+
+def test_continual_disjoint_keys_give_every_task_keys_of_its_own():
+    """With disjoint_keys task j asks keys 1 + jK .. (j + 1)K under a one-to-one map of its
+    own; the batches follow it, and the vocabulary and remap checks name their fields."""
+    task = small_continual(disjoint_keys=True, vocab_size=64)  # 3 x 8 keys < 32
+    np.testing.assert_array_equal(task.keys(2), np.arange(17, 25))
+    for row in range(3):
+        maps = [task.mapping(j, row) for j in range(3)]
+        for f in maps:
+            assert len(set(f.tolist())) == 8 and (f >= 32).all() and (f < 64).all()
+        assert not np.array_equal(maps[0], maps[1])
+    for index, task_id in ((0, 0), (5, 1), (12, 2)):
+        assert_follows(task.batch(index, 8), task, task_id)
+    assert_follows(task.batch(3, 8, split="task1"), task, 1)
+    assert "each task its own keys" in task.describe()
+    with pytest.raises(ValueError, match="vocab_size.*3 tasks of 8 keys.*>= 50"):
+        small_continual(disjoint_keys=True, vocab_size=48)
+    with pytest.raises(ValueError, match="remap_fraction.*leave it 1.0"):
+        small_continual(disjoint_keys=True, remap_fraction=0.5)
 
 
 def test_continual_earlier_task_eval_uses_the_old_mapping():

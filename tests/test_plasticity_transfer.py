@@ -190,6 +190,19 @@ def test_the_tracking_matrix_counts_the_keys_a_later_task_left_unchanged():
     assert transfer.backward_transfer(R) == pytest.approx(((0.5 - 1) + (0.75 - 1)) / 2)
     with pytest.raises(ValueError, match="agents, tasks, keys"):
         transfer.tracking_matrix([[1, 2], [3, 4]])
+    # the keys named: the same keys in another order change nothing; keys of their own give
+    # the identity, and a key two tasks share counts where its value agrees
+    order = [[3, 2, 1, 0]] * 3
+    reordered = np.asarray(mappings)[:, :, ::-1]
+    np.testing.assert_allclose(transfer.tracking_matrix(reordered, order), expected)
+    own = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    np.testing.assert_array_equal(transfer.tracking_matrix(mappings, own), np.eye(3))
+    shared = [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
+    same = [[[10, 11, 12, 13], [13, 14, 15, 16], [26, 17, 18, 19]]]
+    R = transfer.tracking_matrix(same, shared)
+    np.testing.assert_allclose(R, [[1, 0.25, 0], [0.25, 1, 0], [0, 0, 1]])
+    with pytest.raises(ValueError, match="keys: expected"):
+        transfer.tracking_matrix(mappings, own[:2])
 
 
 def test_agent_intervals_are_over_the_agents_with_a_finite_matrix():

@@ -7,6 +7,13 @@ f_j^r from keys to value tokens in [V//2, V): f_0^r is random, and f_j^r is f_{j
 not use, so every remapped key changes value at the boundary. Row r's chain depends on
 (seed, r) only, not on the batch size, the batch index or the split.
 
+Disjoint keys. With ``disjoint_keys=True`` task j has keys of its own instead, key tokens
+1 + jK .. (j + 1)K, and f_j^r is a one-to-one map of them drawn independently of the other
+tasks (``remap_fraction`` does not apply). No later task changes an earlier task's answers, so
+nothing forces forgetting: a memory that keeps every pair it was shown recalls every earlier
+task, and whatever a model loses of them is interference in its own state. This is the stream
+on which retention can pay (the shared-key stream rewards tracking the current mapping only).
+
 Why per row. With one global mapping per task, slow weights (trained at every step) simply
 memorise the current task's mapping, ignore the context and the fast memory, and score 0% on
 earlier tasks even on queries whose pair is in the sequence. Slow weights are shared by all
@@ -84,6 +91,7 @@ class ContinualTask:
       switch_every: training batches per task.
       remap_fraction: share of keys whose value changes at each task boundary, in (0, 1].
       agent_every: training batches per agent (0: one agent per row for the whole run).
+      disjoint_keys: every task its own ``num_keys`` keys (module docstring).
       seed: base seed; batch ``i`` of split ``s`` depends on (seed, s, i) only.
     """
 
@@ -95,6 +103,7 @@ class ContinualTask:
     switch_every: int = 200
     remap_fraction: float = 1.0
     agent_every: int = 0
+    disjoint_keys: bool = False
     seed: int = 0
 
     name: ClassVar[str] = "continual"
@@ -121,15 +130,26 @@ class ContinualTask:
             )
         if not 0.0 < self.remap_fraction <= 1.0:
             raise field_error(self.name, "remap_fraction", self.remap_fraction, "use 0 < f <= 1")
-        half = self.vocab_size // 2
-        needed = max(2 * (self.num_keys + 1), 2 * (self.num_keys + self._num_remapped))
-        if self.num_keys > half - 1 or self.num_keys + self._num_remapped > self.vocab_size - half:
+        if not isinstance(self.disjoint_keys, bool):
+            raise field_error(self.name, "disjoint_keys", self.disjoint_keys, "use True or False")
+        if self.disjoint_keys and self.remap_fraction != 1.0:
             raise field_error(
                 self.name,
-                "vocab_size",
-                self.vocab_size,
-                f"{self.num_keys} keys, each remapped to an unused value, need vocab_size >= "
-                f"{needed}",
+                "remap_fraction",
+                self.remap_fraction,
+                "with disjoint_keys every task has new keys, so nothing is remapped: leave it 1.0",
+            )
+        half = self.vocab_size // 2
+        if self.disjoint_keys:
+            keys, values = self.num_tasks * self.num_keys, self.num_keys
+            what = f"{self.num_tasks} tasks of {self.num_keys} keys of their own"
+        else:
+            keys, values = self.num_keys, self.num_keys + self._num_remapped
+            what = f"{self.num_keys} keys, each remapped to an unused value,"
+        if keys > half - 1 or values > self.vocab_size - half:
+            needed = max(2 * (keys + 1), 2 * values)
+            raise field_error(
+                self.name, "vocab_size", self.vocab_size, f"{what} need vocab_size >= {needed}"
             )
 
     @property
@@ -149,10 +169,18 @@ class ContinualTask:
         """The task of training batch ``index``."""
         return (int(index) // self.switch_every) % self.num_tasks
 
+    def keys(self, task_id: int) -> np.ndarray:
+        """(num_keys,) int32: the key tokens of task ``task_id``: 1 .. K, or 1 + jK .. (j + 1)K
+        for task j with ``disjoint_keys``."""
+        return (1 + self._key_offset(task_id) + np.arange(self.num_keys)).astype(np.int32)
+
+    def _key_offset(self, task_id: int) -> int:
+        return task_id * self.num_keys if self.disjoint_keys else 0
+
     def mapping(self, task_id: int, row: int = 0, agent: int = 0) -> np.ndarray:
-        """(num_keys,) int32: the value token of key token 1 + i in batch row ``row`` under
-        task ``task_id`` (f_{task_id}^{row} of the module docstring), for the row's agent
-        ``agent`` (``-1``: the held-out agent of the eval splits)."""
+        """(num_keys,) int32: the value token of key token ``keys(task_id)[i]`` in batch
+        row ``row`` under task ``task_id`` (f_{task_id}^{row} of the module docstring), for the
+        row's agent ``agent`` (``-1``: the held-out agent of the eval splits)."""
         if not 0 <= task_id < self.num_tasks:
             raise ValueError(f"task_id={task_id} is out of range [0, {self.num_tasks})")
         if not isinstance(row, int | np.integer) or row < 0:
@@ -176,8 +204,15 @@ class ContinualTask:
         values = np.arange(half, self.vocab_size)
         rng = rng_for(self.seed, "mapping" if agent == 0 else f"mapping/{agent}", row)
         maps = np.empty((self.num_tasks, self.num_keys), dtype=np.int64)
-        maps[0] = values[sample_without_replacement(rng, values.size, self.num_keys, rows=1)[0]]
+
+        def fresh_map() -> np.ndarray:
+            return values[sample_without_replacement(rng, values.size, self.num_keys, rows=1)[0]]
+
+        maps[0] = fresh_map()
         for j in range(1, self.num_tasks):
+            if self.disjoint_keys:
+                maps[j] = fresh_map()
+                continue
             moved = sample_without_replacement(rng, self.num_keys, self._num_remapped, rows=1)[0]
             unused = np.ones(values.size, dtype=bool)
             unused[maps[j - 1] - half] = False
@@ -208,10 +243,11 @@ class ContinualTask:
         presented = sample_without_replacement(rng, self.num_keys, p, rows=rows)
         queried = sample_without_replacement(rng, self.num_keys, q, rows=rows)
         answers = np.take_along_axis(f, queried, axis=1)
+        first = 1 + self._key_offset(task_id)
         inputs = np.zeros((rows, self.seq_len), dtype=np.int64)
-        inputs[:, 0 : 2 * p : 2] = 1 + presented
+        inputs[:, 0 : 2 * p : 2] = first + presented
         inputs[:, 1 : 2 * p : 2] = np.take_along_axis(f, presented, axis=1)
-        inputs[:, 2 * p :: 2] = 1 + queried
+        inputs[:, 2 * p :: 2] = first + queried
         inputs[:, 2 * p + 1 :: 2] = answers
         targets = np.zeros_like(inputs)
         targets[:, 2 * p :: 2] = answers
@@ -226,16 +262,22 @@ class ContinualTask:
         return make_batch(inputs, targets, mask, **extras)
 
     def describe(self) -> str:
-        small = dataclasses.replace(self, num_keys=6, num_pairs=3, num_queries=3, vocab_size=32)
+        vocab = 2 * (6 * self.num_tasks + 1) if self.disjoint_keys else 32
+        small = dataclasses.replace(self, num_keys=6, num_pairs=3, num_queries=3, vocab_size=vocab)
         example = render_example(small._sequences(np.random.default_rng(0), 1, 0))
         return (
             f"Continual KV stream: {self.num_tasks} tasks over {self.num_keys} keys, switching "
-            f"every {self.switch_every} train batches, {self.remap_fraction:.0%} of keys "
-            f"remapped per switch; each batch row has its own mappings (so only the context "
-            f"and a fast state carried along the row can recall them)"
+            f"every {self.switch_every} train batches, "
+            + (
+                "each task its own keys"
+                if self.disjoint_keys
+                else f"{self.remap_fraction:.0%} of keys remapped per switch"
+            )
+            + "; each batch row has its own mappings (so only the context "
+            "and a fast state carried along the row can recall them)"
             + (f", a new agent every {self.agent_every} batches" if self.agent_every else "")
             + f"; each sequence = "
             f"{self.num_pairs} presented pairs k f(k), "
             f"then {self.num_queries} queries q f(q) scored at q (T={self.seq_len}).\n"
-            f"Example (V=32, 6 keys, 3 pairs, 3 queries):\n{example}"
+            f"Example (V={vocab}, 6 keys, 3 pairs, 3 queries):\n{example}"
         )

@@ -197,17 +197,27 @@ def agent_intervals(R_rows, b_rows) -> dict[str, list[float]]:
     }
 
 
-def tracking_matrix(mappings) -> np.ndarray:
-    """``R`` of an ideal learner of the *current* mapping alone, on a stream whose tasks remap
-    keys: ``mappings (A, T, K)`` the key -> value maps of ``A`` agents' ``T`` tasks; ``R[i, j]``
-    is the share of task ``j``'s keys whose value task ``i`` left unchanged (queries uniform
-    over keys), so ``R[i, i] = 1``. Its backward transfer is the forgetting that the remapping
-    itself forces: no learner that answers a key with one value can score above it on keys
-    whose value changed, whatever it remembers."""
+def tracking_matrix(mappings, keys=None) -> np.ndarray:
+    """``R`` of an ideal learner of the *current* mapping alone: ``mappings (A, T, K)`` the
+    values of ``A`` agents' ``T`` tasks, task ``t``'s value ``i`` that of key ``keys[t, i]``
+    (``keys (T, K)``; default: the same keys ``0 .. K - 1`` in every task); ``R[i, j]`` is the
+    share of task ``j``'s keys that task ``i`` holds with the same value (queries uniform over
+    keys), so ``R[i, i] = 1``. Its backward transfer is the forgetting that remapping itself
+    forces: no learner that answers a key with one value can score above it on keys whose
+    value changed, whatever it remembers. With keys of its own for every task, ``R`` is the
+    identity: a tracker recalls no earlier task, and whatever a model scores on one it
+    remembered."""
     m = np.asarray(mappings)
     if m.ndim != 3:
         raise ValueError(f"mappings: expected (agents, tasks, keys), got shape {m.shape}")
-    return np.mean(m[:, :, None, :] == m[:, None, :, :], axis=(0, 3))
+    k = np.broadcast_to(np.arange(m.shape[2]), m.shape[1:]) if keys is None else np.asarray(keys)
+    if k.shape != m.shape[1:]:
+        raise ValueError(f"keys: expected (tasks, keys) = {m.shape[1:]}, got shape {k.shape}")
+    table = np.full((m.shape[0], m.shape[1], int(k.max()) + 1), -1, dtype=np.int64)
+    for t in range(m.shape[1]):
+        table[:, t, k[t]] = m[:, t]
+    held = table[:, :, k]  # (A, T_i, T_j, K): task i's value of each key of task j
+    return np.mean(held == m[:, None, :, :], axis=(0, 3))
 
 
 def transfer_matrix(
