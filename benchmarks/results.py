@@ -164,14 +164,15 @@ def rows(widths: Sequence[int]) -> list[Row]:
         config = f"configs/mqar.py:{rule}"
         out.append(Row(f"plasticity/{rule}", config, after=(PLASTICITY, "--protocols=alignment")))
     out.append(Row("companion/delta", "configs/companion.py", after=(COMPANION_STUDY,)))
-    for stream, (models, overrides) in FREQUENCY_STREAMS.items():
-        for seed in FREQUENCY_SEEDS:
-            for variant in models:
+    for stream, (models, overrides, seeds) in FREQUENCY_STREAMS.items():
+        for seed in seeds:
+            for model in models:
+                variant, fixed = _variant(model)
                 out.append(
                     Row(
-                        f"{stream}/{variant}/seed{seed}",
+                        f"{stream}/{model}/seed{seed}",
                         f"configs/continual.py:{variant}",
-                        (("seed", seed), *overrides),
+                        (("seed", seed), *overrides, *fixed),
                         after=(PLASTICITY, *FREQUENCY_FLAGS),
                     )
                 )
@@ -212,10 +213,24 @@ DISJOINT_MODELS = (
     "three_level",
 )
 DISJOINT = (("task.disjoint_keys", True), ("task.remap_fraction", 1.0), ("task.vocab_size", 288))
-FREQUENCY_STREAMS = {
-    "frequencies": (FREQUENCY_MODELS, ()),
-    "frequencies_disjoint": (DISJOINT_MODELS, DISJOINT),
+# And with half the training queries on the earlier tasks' keys of the agent (review), so
+# the training loss rewards keeping them; with the slow head's step size fixed (`_lr<value>`:
+# `levels.slow.lr`) instead of the gate the outer loop learns.
+REVIEW = (*DISJOINT, ("task.review_queries", 4))
+FIXED_SLOW_LR = tuple(f"consolidate_1_32_lr{lr}" for lr in (0.03, 0.1, 0.3, 1.0))
+FREQUENCY_STREAMS = {  # stream: (models, overrides, training seeds)
+    "frequencies": (FREQUENCY_MODELS, (), FREQUENCY_SEEDS),
+    "frequencies_disjoint": (DISJOINT_MODELS, DISJOINT, FREQUENCY_SEEDS),
+    "frequencies_review": ((*DISJOINT_MODELS, *FIXED_SLOW_LR), REVIEW, FREQUENCY_SEEDS[:1]),
 }
+
+
+def _variant(model: str) -> tuple[str, tuple]:
+    """A model name's config variant and overrides: ``X_lr<value>`` is ``X`` with its slow
+    head's step size fixed at the value."""
+    variant, _, lr = model.partition("_lr")
+    return variant, ((("levels.slow.lr", float(lr)),) if lr else ())
+
 
 # Language modelling on real text: the Python documentation's reStructuredText sources
 # (Debian's python3-doc: `apt-get install python3-doc`), a BPE of 8192 trained on them, the
@@ -683,9 +698,9 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
                     f"{100 * m:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]" for m, lo, hi in intervals
                 )
             )
-        commands.append(
-            f"* {model}: {_commands(runs[0][0])} (`--config.seed=1`, `2` for the others)"
-        )
+        others = ", ".join(f"`{k}`" for k in range(1, len(runs)))
+        more = f" (`--config.seed=` {others} for the others)" if len(runs) > 1 else ""
+        commands.append(f"* {model}: {_commands(runs[0][0])}{more}")
     verdict = []
     base = figures.get("one_level_wide")
     multi = {m: f for m, f in figures.items() if m.startswith(("periods_", "consolidate_"))}
@@ -761,6 +776,28 @@ def frequencies_disjoint_section(results, workdir: Path) -> list[str]:
         return []
     table, details, commands = _frequency_table(models, DISJOINT)
     flags = " ".join(f"`--config.{k}={v}`" for k, v in DISJOINT)
+    review = _by_model(results, workdir, "frequencies_review")
+    review_part = []
+    if review:
+        review_table, review_details, review_commands = _frequency_table(review, REVIEW)
+        review_part = [
+            "### With review queries",
+            "",
+            "The same stream with the last 4 of the 8 training queries of every sequence on "
+            "keys of the tasks the agent met earlier (`--config.task.review_queries=4`), so "
+            "the training loss rewards keeping them; deployment and R as above (eval batches "
+            "have no review queries). `consolidate_1_32_lr<value>`: consolidate_1_32 with the "
+            "slow head's step size fixed at the value (`--config.levels.slow.lr`) instead of "
+            "the gate beta_t the outer loop learns. One training seed.",
+            "",
+            *review_table,
+            *review_details,
+            "",
+            *_ablation(review, workdir, "frequencies_review"),
+            *_switch(review, workdir, "frequencies_review"),
+            *review_commands,
+            "",
+        ]
     return [
         f"## {SECTIONS['frequencies_disjoint']}",
         "",
@@ -774,18 +811,22 @@ def frequencies_disjoint_section(results, workdir: Path) -> list[str]:
         *table,
         *details,
         "",
+        *_ablation(models, workdir, "frequencies_disjoint"),
+        *_switch(models, workdir, "frequencies_disjoint"),
         *commands,
         "",
+        *review_part,
     ]
 
 
-def _ablation(models, workdir: Path) -> list[str]:
-    """Where retention lives: the first seed of each two-level model deployed again with one
-    level restarted after every phase (``plasticity_reset_<level>.json``, when measured)."""
+def _ablation(models, workdir: Path, stream: str = "frequencies") -> list[str]:
+    """Where retention lives: the first seed of each multi-level model of ``stream`` deployed
+    again with one level restarted after every phase (``plasticity_reset_<level>.json``, when
+    measured)."""
     lines = []
     for model in models:
-        run = workdir / "frequencies" / model / f"seed{FREQUENCY_SEEDS[0]}"
-        for level in ("memory", "slow"):
+        run = workdir / stream / model / f"seed{FREQUENCY_SEEDS[0]}"
+        for level in ("memory", "mid", "slow"):
             path = run / f"plasticity_reset_{level}.json"
             if not path.exists():
                 continue
@@ -794,10 +835,10 @@ def _ablation(models, workdir: Path) -> list[str]:
             lines.append(f"| {model} | {level} | " + " | ".join(cells) + " |")
     if not lines:
         return []
+    run = f"runs/results/{stream}/MODEL/seed0"
     command = (
-        "`python experiments/plasticity.py --workdir=runs/results/frequencies/MODEL/seed0 "
-        "--sessions=4 --session_length=2 --protocols=transfer --reset_levels=LEVEL "
-        "--out=runs/results/frequencies/MODEL/seed0/plasticity_reset_LEVEL.json`"
+        f"`python experiments/plasticity.py --workdir={run} --sessions=4 --session_length=2 "
+        f"--protocols=transfer --reset_levels=LEVEL --out={run}/plasticity_reset_LEVEL.json`"
     )
     return [
         "Where retention lives (seed 0): from-memory ACC and BWT (%) with one level restarted "
@@ -809,6 +850,60 @@ def _ablation(models, workdir: Path) -> list[str]:
         *lines,
         "",
     ]
+
+
+SWITCH_FIGURE = "benchmarks/figures/{stream}_switch.png"  # committed beside RESULTS.md
+
+
+def _switch(models, workdir: Path, stream: str) -> list[str]:
+    """Per-level alignment over a task switch (``report._switch``) of the first seed of each
+    model of ``stream`` measured by the alignment protocol (``plasticity_switch.json``), and
+    the first one's figure copied to :data:`SWITCH_FIGURE` of the stream."""
+    figure_path = SWITCH_FIGURE.format(stream=stream)
+    lines, figure = [], None
+    for model in models:
+        run = workdir / stream / model / f"seed{FREQUENCY_SEEDS[0]}"
+        path = run / "plasticity_switch.json"
+        if not path.exists():
+            continue
+        switch = json.loads(path.read_text())["alignment"].get("switch")
+        if switch is None:
+            continue
+        for level, old in switch["old_task"]["levels"].items():
+            new = switch["new_task"]["levels"][level]
+            cells = [f"{f['cos_update']:.3f}" for f in (new, old)]
+            cells += [f"{f['total_update']:.3g}" for f in (new, old)]
+            cells += [f"{f['conflict_update']:.2f}" for f in (new, old)]
+            lines.append(f"| {model} | {level} | " + " | ".join(cells) + " |")
+        if figure is None and (run / "plasticity_switch.png").exists():
+            figure = ROOT / figure_path
+            figure.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run / "plasticity_switch.png", figure)
+            shown = model
+    if not lines:
+        return []
+    run = f"runs/results/{stream}/MODEL/seed0"
+    command = (
+        f"`python experiments/plasticity.py --workdir={run} --protocols=alignment "
+        f"--out={run}/plasticity_switch.json`"
+    )
+    out = [
+        "Alignment over a task switch (seed 0; "
+        f"{command}): from the state a held-out batch of task 0 leaves, each level's updates "
+        "on the first batch of task 1, against that batch's own loss (new) and against a "
+        "later batch of task 0 run after it (old): the mean cosine of grad J with the update, "
+        "the first-order change of -J if all of the level's updates grew by a factor 1 + e "
+        "(d(-J)/de: positive helps), and the share of updates that raise J.",
+        "",
+        "| model | level | cos new | cos old | d(-J)/de new | d(-J)/de old | conflict new | "
+        "conflict old |",
+        "|---|---|---|---|---|---|---|---|",
+        *lines,
+        "",
+    ]
+    if figure is not None:
+        out += [f"![alignment by position over a task switch, {shown}]({figure_path})", ""]
+    return out
 
 
 def companion_section(results, workdir: Path) -> list[str]:

@@ -411,6 +411,36 @@ def test_continual_disjoint_keys_give_every_task_keys_of_its_own():
         small_continual(disjoint_keys=True, remap_fraction=0.5)
 
 
+def test_continual_review_queries_ask_the_earlier_tasks_of_the_rows_agent():
+    """With review_queries=2 the last two queries of a training batch ask keys of the tasks
+    the row's agent met earlier, answered by their maps and never in context; the first
+    phase and the eval splits have none, and the rest of the batch is the one without."""
+    task = small_continual(disjoint_keys=True, review_queries=2, agent_every=15)
+    plain = small_continual(disjoint_keys=True, agent_every=15)
+    assert [task.earlier(i) for i in (0, 4, 5, 12, 15, 20)] == [[], [], [0], [0, 1], [], [0]]
+    np.testing.assert_array_equal(task.batch(3, 8).inputs, plain.batch(3, 8).inputs)
+    np.testing.assert_array_equal(
+        task.batch(12, 8, split="task1").inputs, plain.batch(12, 8, split="task1").inputs
+    )
+    batch, same = task.batch(12, 8), plain.batch(12, 8)  # task 2 of agent 0, after tasks 0, 1
+    p, q = task.num_pairs, task.num_queries
+    own = slice(0, 2 * (p + q - 2))
+    np.testing.assert_array_equal(batch.inputs[:, own], same.inputs[:, own])
+    review = batch.inputs[:, 2 * (p + q - 2) :: 2]  # (rows, 2) keys
+    assert np.isin(review, np.concatenate([task.keys(0), task.keys(1)])).all()
+    for r in range(8):
+        assert len(set(review[r].tolist())) == 2
+        for t, key in zip(range(2 * (p + q - 2), task.seq_len, 2), review[r], strict=True):
+            owner = (key - 1) // task.num_keys
+            value = task.mapping(owner, r, agent=0)[(key - 1) % task.num_keys]
+            assert batch.targets[r, t] == value == batch.inputs[r, t + 1]
+            assert batch.extras["in_context"][r, t] == 0 and batch.mask[r, t] == 1
+    with pytest.raises(ValueError, match="review_queries.*set disjoint_keys=True"):
+        small_continual(review_queries=1)
+    with pytest.raises(ValueError, match="review_queries.*num_queries"):
+        small_continual(disjoint_keys=True, review_queries=4)
+
+
 def test_continual_earlier_task_eval_uses_the_old_mapping():
     task = small_continual()
     for index in (0, 12, 1000):

@@ -100,11 +100,13 @@ def test_heads_at_one_level_split_into_groups_equal_the_one_level_layer():
     assert [s.level for s in states] == ["fast", "twin"]
 
 
-def test_a_slow_head_runs_its_own_level_on_its_heads():
-    """Head 0 per token, head 1 accumulated over 4 tokens: each head's reads are the plain
-    per-token loops of ``test_inner.reference`` on that head's context (per token; chunks of
-    4 read at their start), and the slow head's differ from a per-token head's."""
-    slow = nl.recipes.delta("slow", d_k=4, d_v=4, accumulate=4, read="chunk_start")
+@pytest.mark.parametrize("lr", [None, 0.3])
+def test_a_slow_head_runs_its_own_level_on_its_heads(lr):
+    """Head 0 per token, head 1 accumulated over 4 tokens, with the gate beta_t or a fixed
+    step size: each head's reads are the plain per-token loops of ``test_inner.reference`` on
+    that head's context (per token; chunks of 4 read at their start; beta_t = lr where it is
+    fixed), and the slow head's differ from a per-token head's."""
+    slow = nl.recipes.delta("slow", d_k=4, d_v=4, lr=lr, accumulate=4, read="chunk_start")
     one, many = layers((slow,))
     x = inputs(1)
     states = many.initial_state(2)
@@ -114,6 +116,8 @@ def test_a_slow_head_runs_its_own_level_on_its_heads():
         ((1, "after_write"), (4, "chunk_start")), many.groups, states, strict=True
     ):
         part = jax.tree.map(lambda t, a=a, n=n: t[:, :, a : a + n], ctx)
+        if every == 4 and lr is not None:
+            part = part._replace(gates={"beta": jnp.full_like(part.gates["beta"], lr)})
         W0 = state.params[0]["w"]
         expected.append(reference(part, W0, every, delta_step, read=read)[0])
     y, _ = many(x, states)
@@ -157,6 +161,8 @@ def test_bad_head_levels_are_one_error_each():
     gated = nl.recipes.gated_delta("other", d_k=4, d_v=4)
     with pytest.raises(ValueError, match="memory and gates of 'fast'"):
         layers((gated,))
+    with pytest.raises(ValueError, match=r"lr=-1.0: a fixed step size is a number in \(0, 2\]"):
+        nl.recipes.delta("slow", d_k=4, d_v=4, lr=-1.0)
     slow = nl.recipes.delta("slow", d_k=4, d_v=4)
     with pytest.raises(ValueError, match="name the levels of the other heads"):
         layers((), consolidate=True)

@@ -11,8 +11,8 @@ import tiny_configs
 from flax import nnx
 
 from nested.core.level import InitialState
-from nested.plasticity import capacity, regret, report, transfer
-from nested.plasticity.deployment import Deployment, stream_batches, task_batches
+from nested.plasticity import alignment, capacity, regret, report, transfer
+from nested.plasticity.deployment import HELD_OUT, Deployment, stream_batches, task_batches
 from nested.run import config as nc
 from nested.run import loading, memory_state, metrics, train
 
@@ -144,6 +144,31 @@ def test_long_stream_reports_per_phase(deployed):
     assert 1 <= change["effective_rank"][0] <= 8
 
 
+def test_the_task_switch_measures_the_new_tasks_batch_from_the_old_tasks_state(deployed):
+    """``_switch`` measures the first batch of task 1 from the state a batch of task 0 left,
+    with its own loss as J and then with a later batch of task 0 as J: the J it gets equal the
+    losses of that chain of batches run by hand."""
+    run, _, batch_of = deployed
+    program, params = run.program, run.state.params
+    keep = lambda b: {k: b[k] for k in ("inputs", "targets", "mask")}  # noqa: E731
+    seen = []
+
+    def measured(p, future=None, on=None, fast=None):
+        seen.append(future is not None)
+        return float(alignment.program_loss(program, p, on, fast, future)), []
+
+    out = report._switch(program, params, [0, 1], batch_of, measured, B)
+    first, new, old = (keep(batch_of(t, HELD_OUT + i)) for t, i in ((0, 0), (1, 0), (0, 1)))
+    _, (_, after_first) = program.loss(params, first, program.start_fast(params, B))
+    primed = program.start_fast(params, B, after_first)
+    own, (_, after_new) = program.loss(params, new, primed)
+    later = program.loss(params, old, program.start_fast(params, B, after_new))[0]
+    assert seen == [False, True] and set(out) == {"new_task", "old_task"}
+    assert out["new_task"]["J"] == pytest.approx(float(own), rel=1e-5)
+    assert out["old_task"]["J"] == pytest.approx(float(later), rel=1e-5)
+    assert out["old_task"]["J"] != pytest.approx(out["new_task"]["J"], rel=1e-3)
+
+
 def test_a_task_without_ids_and_a_memory_that_restarts_are_one_line_errors(trained):
     _, run = trained
     mqar = tiny_configs.config("mqar")
@@ -179,9 +204,11 @@ def test_plasticity_entry_point_writes_its_json_and_plots(trained):
     result = json.loads((workdir / "plasticity.json").read_text())
     assert set(result) >= {"alignment", "transfer", "regret", "capacity"}
     assert result["alignment"]["trained"]["through_scan"]["levels"]["memory"]["updates"] > 0
-    for name in ("transfer", "alignment", "regret", "capacity"):
+    assert result["alignment"]["switch"]["old_task"]["levels"]["memory"]["updates"] > 0
+    for name in ("transfer", "alignment", "switch", "regret", "capacity"):
         assert (workdir / f"plasticity_{name}.png").stat().st_size > 0
     assert "alignment memory: cos(grad J, g)" in done.stdout
+    assert "switch memory: cos(grad J, -delta)" in done.stdout
     bad = subprocess.run(
         command[:3] + ["--protocols=regret", "--tasks=7"], capture_output=True, text=True
     )

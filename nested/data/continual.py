@@ -14,6 +14,13 @@ nothing forces forgetting: a memory that keeps every pair it was shown recalls e
 task, and whatever a model loses of them is interference in its own state. This is the stream
 on which retention can pay (the shared-key stream rewards tracking the current mapping only).
 
+Review queries. With ``review_queries = R > 0`` (disjoint keys only: a shared key would
+have two answers) the last R queries of a training sequence ask keys of the tasks the row's
+agent met earlier in the last pass over the tasks (uniform over their keys, answered by their
+maps, never presented in the sequence), once there is one: the training loss then rewards
+keeping old pairs, as a stream that returns to earlier tasks does. Eval splits have none, so
+``task{k}`` still scores task k's own keys.
+
 Why per row. With one global mapping per task, slow weights (trained at every step) simply
 memorise the current task's mapping, ignore the context and the fast memory, and score 0% on
 earlier tasks even on queries whose pair is in the sequence. Slow weights are shared by all
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -92,6 +100,7 @@ class ContinualTask:
       remap_fraction: share of keys whose value changes at each task boundary, in (0, 1].
       agent_every: training batches per agent (0: one agent per row for the whole run).
       disjoint_keys: every task its own ``num_keys`` keys (module docstring).
+      review_queries: training queries per sequence asked of earlier tasks (module docstring).
       seed: base seed; batch ``i`` of split ``s`` depends on (seed, s, i) only.
     """
 
@@ -104,6 +113,7 @@ class ContinualTask:
     remap_fraction: float = 1.0
     agent_every: int = 0
     disjoint_keys: bool = False
+    review_queries: int = 0
     seed: int = 0
 
     name: ClassVar[str] = "continual"
@@ -138,6 +148,17 @@ class ContinualTask:
                 "remap_fraction",
                 self.remap_fraction,
                 "with disjoint_keys every task has new keys, so nothing is remapped: leave it 1.0",
+            )
+        if not 0 <= self.review_queries <= self.num_queries:
+            raise field_error(
+                self.name, "review_queries", self.review_queries, "use 0 <= R <= num_queries"
+            )
+        if self.review_queries and not self.disjoint_keys:
+            raise field_error(
+                self.name,
+                "review_queries",
+                self.review_queries,
+                "a key shared by the tasks has an answer per task: set disjoint_keys=True",
             )
         half = self.vocab_size // 2
         if self.disjoint_keys:
@@ -231,30 +252,54 @@ class ContinualTask:
             return self._sequences(rng, batch_size, int(split.removeprefix("task")), agent, True)
         agent = int(index) // self.agent_every if self.agent_every else 0
         new = self.agent_every > 0 and int(index) % self.agent_every == 0
-        return self._sequences(rng, batch_size, self.task_at(index), agent, new)
+        task_id = self.task_at(index)
+        return self._sequences(rng, batch_size, task_id, agent, new, self.earlier(index))
+
+    def earlier(self, index: int) -> list[int]:
+        """The tasks other than batch ``index``'s that the rows' agent met in the last pass
+        over the tasks before it (those review queries ask about)."""
+        start = int(index) // self.agent_every * self.agent_every if self.agent_every else 0
+        start = max(start, int(index) - self.num_tasks * self.switch_every)
+        return sorted({self.task_at(i) for i in range(start, int(index))} - {self.task_at(index)})
 
     def _sequences(
-        self, rng: np.random.Generator, rows: int, task_id: int, agent: int = 0, new=False
+        self,
+        rng: np.random.Generator,
+        rows: int,
+        task_id: int,
+        agent: int = 0,
+        new=False,
+        earlier: Sequence[int] = (),
     ) -> Batch:
-        """Sequences of ``rows`` rows under task ``task_id`` of their agent ``agent``; with
-        agents (``agent_every > 0``) the ``reset`` extra says whether the agent is ``new``."""
-        p, q = self.num_pairs, self.num_queries
-        f = np.stack([self._chain(r, agent)[task_id] for r in range(rows)])  # (rows, K)
-        presented = sample_without_replacement(rng, self.num_keys, p, rows=rows)
-        queried = sample_without_replacement(rng, self.num_keys, q, rows=rows)
+        """Sequences of ``rows`` rows under task ``task_id`` of their agent ``agent``, the
+        last ``review_queries`` queries on the tasks ``earlier`` (if any); with agents
+        (``agent_every > 0``) the ``reset`` extra says whether the agent is ``new``."""
+        p, q, K = self.num_pairs, self.num_queries, self.num_keys
+        chains = np.stack([self._chain(r, agent) for r in range(rows)])  # (rows, tasks, K)
+        f = chains[:, task_id]  # (rows, K)
+        presented = sample_without_replacement(rng, K, p, rows=rows)
+        queried = sample_without_replacement(rng, K, q, rows=rows)
         answers = np.take_along_axis(f, queried, axis=1)
+        keys = 1 + self._key_offset(task_id) + queried
+        in_context = np.zeros((rows, self.seq_len), dtype=np.float32)
+        in_context[:, 2 * p :: 2] = (queried[:, :, None] == presented[:, None, :]).any(axis=2)
+        if self.review_queries and earlier:  # keys of earlier tasks, never presented here
+            r = self.review_queries
+            picks = sample_without_replacement(rng, len(earlier) * K, r, rows=rows)
+            tasks, key = np.asarray(earlier)[picks // K], picks % K
+            keys[:, q - r :] = 1 + tasks * K + key
+            answers[:, q - r :] = chains[np.arange(rows)[:, None], tasks, key]
+            in_context[:, 2 * (p + q - r) :: 2] = 0.0
         first = 1 + self._key_offset(task_id)
         inputs = np.zeros((rows, self.seq_len), dtype=np.int64)
         inputs[:, 0 : 2 * p : 2] = first + presented
         inputs[:, 1 : 2 * p : 2] = np.take_along_axis(f, presented, axis=1)
-        inputs[:, 2 * p :: 2] = first + queried
+        inputs[:, 2 * p :: 2] = keys
         inputs[:, 2 * p + 1 :: 2] = answers
         targets = np.zeros_like(inputs)
         targets[:, 2 * p :: 2] = answers
         mask = np.zeros(inputs.shape, dtype=np.float32)
         mask[:, 2 * p :: 2] = 1.0
-        in_context = np.zeros(inputs.shape, dtype=np.float32)
-        in_context[:, 2 * p :: 2] = (queried[:, :, None] == presented[:, None, :]).any(axis=2)
         extras = {"task_id": np.full(rows, task_id, dtype=np.int32), "in_context": in_context}
         if self.agent_every:
             extras["reset"] = np.zeros(inputs.shape, np.float32)
@@ -263,7 +308,9 @@ class ContinualTask:
 
     def describe(self) -> str:
         vocab = 2 * (6 * self.num_tasks + 1) if self.disjoint_keys else 32
-        small = dataclasses.replace(self, num_keys=6, num_pairs=3, num_queries=3, vocab_size=vocab)
+        small = dataclasses.replace(
+            self, num_keys=6, num_pairs=3, num_queries=3, vocab_size=vocab, review_queries=0
+        )
         example = render_example(small._sequences(np.random.default_rng(0), 1, 0))
         return (
             f"Continual KV stream: {self.num_tasks} tasks over {self.num_keys} keys, switching "
@@ -276,6 +323,11 @@ class ContinualTask:
             + "; each batch row has its own mappings (so only the context "
             "and a fast state carried along the row can recall them)"
             + (f", a new agent every {self.agent_every} batches" if self.agent_every else "")
+            + (
+                f", the last {self.review_queries} training queries on earlier tasks"
+                if self.review_queries
+                else ""
+            )
             + f"; each sequence = "
             f"{self.num_pairs} presented pairs k f(k), "
             f"then {self.num_queries} queries q f(q) scored at q (T={self.seq_len}).\n"

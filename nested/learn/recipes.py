@@ -53,13 +53,18 @@ def hebbian(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Leve
     )
 
 
-def delta(name: str = "memory", *, d_k: int, d_v: int, **level_kwargs) -> Level:
-    """DeltaNet: one SGD step of lr ``beta_t`` on ``1/2 |W k_t - v_t|^2`` per token."""
+def delta(
+    name: str = "memory", *, d_k: int, d_v: int, lr: float | None = None, **level_kwargs
+) -> Level:
+    """DeltaNet: one SGD step of lr ``beta_t`` on ``1/2 |W k_t - v_t|^2`` per token; ``lr``:
+    a fixed step size instead of the gate ``beta_t`` the model emits (None: the gate)."""
+    if lr is not None and not (isinstance(lr, int | float) and 0 < lr <= 2):
+        raise ValueError(f"lr={lr!r}: a fixed step size is a number in (0, 2]; None for the gate")
     return Level(
         name,
         memory=memories.Linear(d_k, d_v),
         objective=objectives.l2,
-        update=rules.sgd(lr="beta"),
+        update=rules.sgd(lr="beta" if lr is None else float(lr)),
         **level_kwargs,
     )
 

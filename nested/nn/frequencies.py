@@ -7,7 +7,9 @@ and head ``heads - n + i`` runs ``head_levels[i]`` (consecutive heads of one lev
 group, one :class:`~nested.core.level.LevelState`). Every head has the layer's projections,
 convolution, gates and read-out, so the slow parameters and the carried bytes are those of the
 same layer with one level: only the heads' update rules differ (their ``every``, their
-``accumulate``, their ``persist``). The levels share the memory (``d_k``, ``d_v``) and the gates.
+``accumulate``, their ``persist``, a fixed step size). The levels share the memory (``d_k``,
+``d_v``); a head level reads some or all of the first level's gates (one with a fixed step
+size ignores the gate ``beta_t`` its heads are emitted).
 
 Each group ``g`` writes ``(k_t, v_t)`` of its heads; with ``consolidate=True`` each slower group
 instead writes what the group before it holds: its keys and its reads of them after the write,
@@ -61,7 +63,8 @@ class MultiFrequencyMemory(MemoryLayer):
                 f"{len(head_levels) + 1} or name fewer levels"
             )
         for other in head_levels:
-            if other.memory != level.memory or other.gates != level.gates:
+            foreign = [n for n, g in other.gates.items() if level.gates.get(n) != g]
+            if other.memory != level.memory or foreign:
                 raise ValueError(
                     f"head_levels: level {other.name!r} must have the memory and gates of "
                     f"{level.name!r} (the heads share projections): use the same rule family"

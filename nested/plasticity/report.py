@@ -7,8 +7,9 @@ mappings are new to it. Protocols (:data:`PROTOCOLS`):
 * ``alignment``: :mod:`nested.plasticity.alignment` on a held-out batch, both forms, for the
   trained weights and for the initial weights of the same config (does outer training raise
   the alignment of the local objective with the outer one?), on a later task's batch as ``J``
-  where the task has task ids and a level carries its state, and the linearisation check of a
-  few updates;
+  where the task has task ids and a level carries its state, the alignment of each level's
+  updates over a task switch with the new task's loss and the old task's (:func:`_switch`),
+  and the linearisation check of a few updates;
 * ``transfer``: the continual-learning matrix (:func:`nested.plasticity.transfer.transfer_matrix`
   over the task ids, or :func:`~nested.plasticity.transfer.windowed_matrix` over windows of a
   stream without them) and its metrics;
@@ -204,8 +205,10 @@ def _alignment(trained, task, tasks, batch_of, settings: Settings, progress) -> 
 
         return jax.jit(measure)
 
-    def measured(params, form="through_scan", future=None):
-        J, results = compiled(form)(params, batch, start(params), future)
+    def measured(params, form="through_scan", future=None, on=None, fast=None):
+        on = batch if on is None else on
+        fast = start(params) if fast is None else fast
+        J, results = compiled(form)(params, on, fast, future)
         progress()
         return float(J), alignment.to_numpy(results)
 
@@ -221,9 +224,31 @@ def _alignment(trained, task, tasks, batch_of, settings: Settings, progress) -> 
             later = {k: later[k] for k in ("inputs", "targets", "mask")}
             J, results = measured(trained.state.params, future=later)
             out["later_task"] = {"J": J, "levels": alignment.summarize(results)}
+            if len(tasks) > 1:
+                out["switch"] = _switch(program, trained.state.params, tasks, batch_of, measured, B)
         out["linearization"] = _linearization(program, trained.state.params, batch, start, settings)
     except ValueError as error:
         return {"error": " ".join(str(error).split())}
+    return out
+
+
+def _switch(program, params, tasks, batch_of, measured, batch_size: int) -> dict[str, Any]:
+    """Alignment over a task switch: from the fast state a held-out batch of ``tasks[0]``
+    leaves, each level's updates on the first batch of ``tasks[1]`` against that batch's own
+    loss (``new_task``: do they learn it?) and against a later batch of ``tasks[0]`` run after
+    it (``old_task``: to first order, do they overwrite what the first task left?). The later
+    batch is another held-out batch of the same agents (new pairs in context), so its
+    from-memory answers need what the state kept."""
+    keep = lambda b: {k: b[k] for k in ("inputs", "targets", "mask")}  # noqa: E731
+    first, new, old = (
+        keep(batch_of(t, HELD_OUT + i)) for t, i in ((tasks[0], 0), (tasks[1], 0), (tasks[0], 1))
+    )
+    left = jax.jit(lambda p, b: program.loss(p, b, program.start_fast(p, batch_size))[1][1])
+    primed = program.start_fast(params, batch_size, left(params, first))
+    out = {}
+    for name, future in (("new_task", None), ("old_task", old)):
+        J, results = measured(params, future=future, on=new, fast=primed)
+        out[name] = {"J": J, "levels": alignment.summarize(results)}
     return out
 
 
@@ -271,6 +296,14 @@ def format_summary(result: dict[str, Any]) -> str:
             f"alignment {name}: cos(grad J, g) {figures['cos_local']:.3f} trained vs "
             f"{initial.get('cos_local', float('nan')):.3f} initial; conflict rate "
             f"{figures['conflict_local']:.2f}; cos(grad J, -delta) {figures['cos_update']:.3f}"
+        )
+    switch = align.get("switch", {})
+    for name, figures in switch.get("old_task", {}).get("levels", {}).items():
+        new = switch["new_task"]["levels"][name]
+        lines.append(
+            f"switch {name}: cos(grad J, -delta) {new['cos_update']:.3f} on the new task, "
+            f"{figures['cos_update']:.3f} on the old one (first-order effect of its updates "
+            f"{new['total_update']:.3g} / {figures['total_update']:.3g})"
         )
     for metric, figures in result.get("transfer", {}).get("summary", {}).items():
         shown = ", ".join(f"{k} {v:.3f}" for k, v in figures.items() if v is not None)
@@ -336,6 +369,22 @@ def plot(result: dict[str, Any], directory: str | Path) -> list[Path]:
         ax.set(xlabel="position of the update", ylabel="cosine with grad J", title="alignment")
         ax.legend(fontsize=7)
         save(fig, "plasticity_alignment.png")
+    switch = result.get("alignment", {}).get("switch")
+    if switch:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name in switch["old_task"]["levels"]:
+            for task, style in (("old_task", "-"), ("new_task", "--")):
+                by_position = switch[task]["levels"][name]["by_position"]
+                label = f"{name}: J on the {task.replace('_', ' ')}"
+                ax.plot(by_position["position"], by_position["cos_update"], style, label=label)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set(
+            xlabel="position of the update in the new task's first batch",
+            ylabel="cos(grad J, -delta)",
+            title="alignment over a task switch",
+        )
+        ax.legend(fontsize=7)
+        save(fig, "plasticity_switch.png")
     if "regret" in result:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
         for ax, kind in zip(axes, ("fast", "slow"), strict=True):

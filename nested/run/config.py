@@ -81,6 +81,8 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
     key, rule = f"levels.{name}", section.get("rule")
     recipe = schema.recipe(f"{key}.rule", rule)
     fields = cf.level_fields(rule, recipe)
+    # an unset (None) option of another rule, left by a --config...rule override, is no error
+    section = {k: v for k, v in section.items() if k in fields or v is not None}
     values = schema.check_keys(key, section, fields)
     _check_period(key, values, task)
     del values["rule"], values["owner"]
