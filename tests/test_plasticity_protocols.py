@@ -150,15 +150,16 @@ def test_the_task_switch_measures_the_new_tasks_batch_from_the_old_tasks_state(d
     losses of that chain of batches run by hand."""
     run, _, batch_of = deployed
     program, params = run.program, run.state.params
-    keep = lambda b: {k: b[k] for k in ("inputs", "targets", "mask")}  # noqa: E731
     seen = []
 
     def measured(p, future=None, on=None, fast=None):
         seen.append(future is not None)
         return float(alignment.program_loss(program, p, on, fast, future)), []
 
-    out = report._switch(program, params, [0, 1], batch_of, measured, B)
-    first, new, old = (keep(batch_of(t, HELD_OUT + i)) for t, i in ((0, 0), (1, 0), (0, 1)))
+    batches = (report._outer(batch_of(t, HELD_OUT + i)) for t, i in ((0, 0), (1, 0), (0, 1)))
+    first, new, old = batches
+    start = lambda p: program.start_fast(p, B)  # noqa: E731
+    out = report._switch(program, params, (first, new, old), start, measured)
     _, (_, after_first) = program.loss(params, first, program.start_fast(params, B))
     primed = program.start_fast(params, B, after_first)
     own, (_, after_new) = program.loss(params, new, primed)

@@ -193,10 +193,11 @@ class ContinualTask:
     def keys(self, task_id: int) -> np.ndarray:
         """(num_keys,) int32: the key tokens of task ``task_id``: 1 .. K, or 1 + jK .. (j + 1)K
         for task j with ``disjoint_keys``."""
-        return (1 + self._key_offset(task_id) + np.arange(self.num_keys)).astype(np.int32)
+        return self._key_tokens(task_id, np.arange(self.num_keys)).astype(np.int32)
 
-    def _key_offset(self, task_id: int) -> int:
-        return task_id * self.num_keys if self.disjoint_keys else 0
+    def _key_tokens(self, task_id, index):
+        """The token of key ``index`` (0-based) of task ``task_id`` (ints or arrays)."""
+        return 1 + (np.asarray(task_id) * self.num_keys if self.disjoint_keys else 0) + index
 
     def mapping(self, task_id: int, row: int = 0, agent: int = 0) -> np.ndarray:
         """(num_keys,) int32: the value token of key token ``keys(task_id)[i]`` in batch
@@ -252,15 +253,17 @@ class ContinualTask:
             return self._sequences(rng, batch_size, int(split.removeprefix("task")), agent, True)
         agent = int(index) // self.agent_every if self.agent_every else 0
         new = self.agent_every > 0 and int(index) % self.agent_every == 0
-        task_id = self.task_at(index)
-        return self._sequences(rng, batch_size, task_id, agent, new, self.earlier(index))
+        earlier = self.earlier(index) if self.review_queries else ()
+        return self._sequences(rng, batch_size, self.task_at(index), agent, new, earlier)
 
     def earlier(self, index: int) -> list[int]:
         """The tasks other than batch ``index``'s that the rows' agent met in the last pass
         over the tasks before it (those review queries ask about)."""
-        start = int(index) // self.agent_every * self.agent_every if self.agent_every else 0
-        start = max(start, int(index) - self.num_tasks * self.switch_every)
-        return sorted({self.task_at(i) for i in range(start, int(index))} - {self.task_at(index)})
+        index, S = int(index), self.switch_every
+        start = index // self.agent_every * self.agent_every if self.agent_every else 0
+        start = max(start, index - self.num_tasks * S)
+        phases = range(start // S, (index - 1) // S + 1) if index > start else ()
+        return sorted({p % self.num_tasks for p in phases} - {self.task_at(index)})
 
     def _sequences(
         self,
@@ -280,19 +283,18 @@ class ContinualTask:
         presented = sample_without_replacement(rng, K, p, rows=rows)
         queried = sample_without_replacement(rng, K, q, rows=rows)
         answers = np.take_along_axis(f, queried, axis=1)
-        keys = 1 + self._key_offset(task_id) + queried
+        keys = self._key_tokens(task_id, queried)
         in_context = np.zeros((rows, self.seq_len), dtype=np.float32)
         in_context[:, 2 * p :: 2] = (queried[:, :, None] == presented[:, None, :]).any(axis=2)
         if self.review_queries and earlier:  # keys of earlier tasks, never presented here
             r = self.review_queries
             picks = sample_without_replacement(rng, len(earlier) * K, r, rows=rows)
             tasks, key = np.asarray(earlier)[picks // K], picks % K
-            keys[:, q - r :] = 1 + tasks * K + key
+            keys[:, q - r :] = self._key_tokens(tasks, key)
             answers[:, q - r :] = chains[np.arange(rows)[:, None], tasks, key]
             in_context[:, 2 * (p + q - r) :: 2] = 0.0
-        first = 1 + self._key_offset(task_id)
         inputs = np.zeros((rows, self.seq_len), dtype=np.int64)
-        inputs[:, 0 : 2 * p : 2] = first + presented
+        inputs[:, 0 : 2 * p : 2] = self._key_tokens(task_id, presented)
         inputs[:, 1 : 2 * p : 2] = np.take_along_axis(f, presented, axis=1)
         inputs[:, 2 * p :: 2] = keys
         inputs[:, 2 * p + 1 :: 2] = answers

@@ -194,7 +194,7 @@ def _alignment(trained, task, tasks, batch_of, settings: Settings, progress) -> 
         )
     else:
         batch, later = stream_batches(task, B, task.eval_splits[0])(0), None
-    batch = {k: batch[k] for k in ("inputs", "targets", "mask")}
+    batch = _outer(batch)
     fresh = program.init(jax.random.key(settings.seed)).params
     start = jax.jit(lambda params: program.start_fast(params, B))
 
@@ -221,30 +221,34 @@ def _alignment(trained, task, tasks, batch_of, settings: Settings, progress) -> 
                 out[name][form] = {"J": J, "levels": alignment.summarize(results)}
         carried = trained.experiment.carries_fast and later is not None
         if carried:
-            later = {k: later[k] for k in ("inputs", "targets", "mask")}
+            later = _outer(later)
             J, results = measured(trained.state.params, future=later)
             out["later_task"] = {"J": J, "levels": alignment.summarize(results)}
             if len(tasks) > 1:
-                out["switch"] = _switch(program, trained.state.params, tasks, batch_of, measured, B)
+                old = _outer(batch_of(tasks[0], HELD_OUT + 1))
+                out["switch"] = _switch(
+                    program, trained.state.params, (batch, later, old), start, measured
+                )
         out["linearization"] = _linearization(program, trained.state.params, batch, start, settings)
     except ValueError as error:
         return {"error": " ".join(str(error).split())}
     return out
 
 
-def _switch(program, params, tasks, batch_of, measured, batch_size: int) -> dict[str, Any]:
-    """Alignment over a task switch: from the fast state a held-out batch of ``tasks[0]``
-    leaves, each level's updates on the first batch of ``tasks[1]`` against that batch's own
-    loss (``new_task``: do they learn it?) and against a later batch of ``tasks[0]`` run after
-    it (``old_task``: to first order, do they overwrite what the first task left?). The later
-    batch is another held-out batch of the same agents (new pairs in context), so its
-    from-memory answers need what the state kept."""
-    keep = lambda b: {k: b[k] for k in ("inputs", "targets", "mask")}  # noqa: E731
-    first, new, old = (
-        keep(batch_of(t, HELD_OUT + i)) for t, i in ((tasks[0], 0), (tasks[1], 0), (tasks[0], 1))
-    )
-    left = jax.jit(lambda p, b: program.loss(p, b, program.start_fast(p, batch_size))[1][1])
-    primed = program.start_fast(params, batch_size, left(params, first))
+def _outer(batch) -> dict[str, Any]:
+    """The fields of a batch the outer objective reads."""
+    return {k: batch[k] for k in ("inputs", "targets", "mask")}
+
+
+def _switch(program, params, batches, start, measured) -> dict[str, Any]:
+    """Alignment over a task switch, ``batches = (first, new, old)``: from the fast state
+    ``first`` (a held-out batch of task 0) leaves, each level's updates on ``new`` (the first
+    batch of task 1) against that batch's own loss (``new_task``: do they learn it?) and
+    against ``old`` (another held-out batch of task 0, new pairs in context) run after it
+    (``old_task``: to first order, do they overwrite what the first task left?)."""
+    first, new, old = batches
+    left = program.loss(params, first, start(params))[1][1]
+    primed = program.start_fast(params, first["inputs"].shape[0], left)
     out = {}
     for name, future in (("new_task", None), ("old_task", old)):
         J, results = measured(params, future=future, on=new, fast=primed)
