@@ -139,3 +139,59 @@ def test_hope_lm_trains():
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+# Documents of each row, off the chunk grid of C = 4: starts inside chunks, one on a chunk's
+# first token (row 1), documents shorter than a chunk and spanning several.
+DOCUMENTS = ((5, 9), (4, 2, 8), (3, 7, 4))
+
+
+@pytest.mark.parametrize("conv", [4, pytest.param(0, marks=pytest.mark.slow)])
+def test_packed_documents_off_the_chunk_grid_run_as_if_alone(conv):
+    """A packed row equals its documents run alone, each from the initial state: outputs,
+    the row's final state (the last document's, its unfinished period applied) and gradients
+    with respect to every parameter and the inputs (float64), with the memory's own period
+    (2) and the projections' (4) counted from each document's start."""
+    layer = make_layer(every=2, conv=conv)
+    graph, params = nnx.split(layer)
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
+    T = sum(DOCUMENTS[0])
+    x = jax.random.normal(jax.random.key(1), (len(DOCUMENTS), T, DIM), jnp.float64)
+    weights = jax.random.normal(jax.random.key(2), (len(DOCUMENTS), T, DIM), jnp.float64)
+    documents = jnp.array([np.repeat(np.arange(len(r)), r) for r in DOCUMENTS], jnp.int32)
+    wide = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float64), tree)
+
+    def packed(params, x):
+        layer = nnx.merge(graph, params)
+        starts = nl.core.inner.document_starts(documents)
+        return layer(x, wide(layer.initial_state(len(DOCUMENTS))), starts)
+
+    def alone(params, x):
+        layer = nnx.merge(graph, params)
+        rows, finals = [], []
+        for b, lengths in enumerate(DOCUMENTS):
+            begins = np.cumsum((0, *lengths[:-1]))
+            pieces = [
+                layer(x[b : b + 1, a : a + n], wide(layer.initial_state(1)))
+                for a, n in zip(begins, lengths, strict=True)
+            ]
+            rows.append(jnp.concatenate([y for y, _ in pieces], axis=1))
+            finals.append(pieces[-1][1])
+        return jnp.concatenate(rows), jax.tree.map(lambda *a: jnp.concatenate(a), *finals)
+
+    @jax.jit
+    def both(params, x):
+        out = []
+        for f in (packed, alone):
+            y, final = f(params, x)
+            grads = jax.grad(lambda p, x: jnp.sum(weights * f(p, x)[0]), argnums=(0, 1))(params, x)
+            out.append((y, final, grads))
+        return out
+
+    (y, final, grads), (ref_y, ref_final, ref_grads) = both(params, x)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(final, ref_final, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-9, atol=1e-11)
+    # the projections learned in every document: the final ones are not the initial ones
+    P0 = params["initial_projections"][...]
+    assert float(jnp.min(jnp.abs(final["projections"].params[0]["w"] - P0[None]).max((1, 2, 3)))) > 1e-4
