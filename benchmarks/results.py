@@ -177,7 +177,7 @@ def rows(widths: Sequence[int]) -> list[Row]:
                     )
                 )
     for model in LM_MODELS:
-        overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS), LM_DOCUMENTS)
+        overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS), LM_ALIGN)
         out.append(Row(f"lm/{model}", f"configs/lm.py:{model}-small", overrides, after=(EVAL_LM,)))
     return out
 
@@ -249,9 +249,9 @@ LM_PREPARE = (
     "--vocab_size=8192",
     "--val_fraction=0.05",
 )
-# Documents packed without restarts: Hope's projection levels have no kernel with document
-# starts, and their generic loop with starts is several times slower still.
-LM_DOCUMENTS = ("task.documents", False)
+# Every model reads the same batches: documents aligned to Hope's grid (its shortest CMS
+# period, nested.run.config.document_grid), where every model runs each document as alone.
+LM_ALIGN = ("task.align", 16)
 LM_STEPS = 120  # Hope, the slowest, takes about 14 s a step here: 28 minutes
 
 
@@ -1087,9 +1087,10 @@ def lm_section(results, workdir: Path) -> list[str]:
         f"`{' '.join(LM_PREPARE)}` (a byte-level BPE of 8192 trained on the corpus; 5% of the "
         "files held out by hash). Each model is `configs/lm.py`'s `small` size (4 blocks of "
         "width 256, parameters within 10% of the Transformer++'s), trained on the same "
-        f"{LM_STEPS} batches of 16 x 256 tokens in the same order (documents packed without "
-        "restarts, `task.documents=False`: the kernel of Hope's projection levels has no "
-        "document starts, and their generic loop with starts is slower still), then scored by "
+        f"{LM_STEPS} batches of 16 x 256 tokens in the same order (every fast level restarts "
+        "at each document start; documents begin at multiples of 16, Hope's shortest CMS "
+        f"period, `{LM_ALIGN[0]}={LM_ALIGN[1]}`, so each model computes on every document what "
+        "it computes on the document alone; the pads are not scored), then scored by "
         "`experiments/eval_lm.py` on every held-out token: loss (nats per token), perplexity, "
         "bits per byte (comparable across tokenizers), and perplexity by position in windows "
         "of 1024 from a fresh state: positions past 255 are beyond the trained length.",

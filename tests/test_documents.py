@@ -18,6 +18,7 @@ from test_kernels import context as kernel_context
 
 import nested as nl
 from nested.core import inner
+from nested.data.tokens import align_documents, document_ids
 from nested.nn.attention import SlidingWindowAttention
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
@@ -291,11 +292,21 @@ def test_memory_as_context_restarts_at_document_starts_on_segment_boundaries():
 
 
 @pytest.mark.slow
-def test_hope_with_cms_restarts_at_document_starts_on_chunk_boundaries():
+def test_hope_with_cms_on_documents_aligned_to_its_grid_runs_each_as_alone():
+    """The task's alignment (``nested.data.tokens.align_documents``: documents at multiples of
+    the shortest CMS period, 4, after EOS pads that stay in the document they end) makes Hope
+    with CMS exact; the projections' period is exact on any grid
+    (``test_hope.test_packed_documents_off_the_chunk_grid_run_as_if_alone``)."""
+    eos = VOCAB - 1
+    stream = np.concatenate([np.append(np.ones(n, int), eos) for n in (4, 1, 6, 2, 9, 3, 5)])
+    rows = align_documents(stream, eos, 4)[0][:32].reshape(2, 16)
+    lengths = tuple(tuple(np.bincount(document_ids(r[None], eos)[0])) for r in rows)
+    assert all(len(row) > 2 for row in lengths)
     level = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS)
     projections = nl.recipes.projections(d_k=DIM, d_v=DIM, every=2)
-    prog = program("self_modifying", level, projections=projections, cms=cms_levels((2, 4)))
-    compare_model(prog, ((4, 6), (2, 4, 4)))
+    compare_model(
+        program("self_modifying", level, projections=projections, cms=cms_levels((4, 8))), lengths
+    )
 
 
 # -- streams split across calls --------------------------------------------------------------

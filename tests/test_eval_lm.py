@@ -223,6 +223,29 @@ def test_nll_by_position_within_the_trained_length_is_the_plain_loss(models):
     np.testing.assert_allclose(got["nll_beyond"], np.mean(got["nll"][T:]))
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_aligned_windows_score_every_token_once_with_documents_on_the_grid(whole):
+    """A run trained on aligned documents is scored on the val stream laid out alike: every
+    document after EOS pads to a multiple of A, the pads masked, each token a target once (the
+    complete windows only, ``whole=False``, for the by-position means)."""
+    stream = np.array([5, 6, EOS, 7, EOS, 1, 2, 3, 4, 8, EOS, 9, EOS], np.int32)
+    inputs, targets, mask = lm_eval.windows(stream, 4, EOS, whole=whole, align=4)
+    x = np.array([EOS, 0, 0, 0, 5, 6, EOS, 0, 7, EOS, 0, 0, 1, 2, 3, 4, 8, EOS, 0, 0, 9, EOS])
+    real = x != 0
+    count = 6 if whole else 5
+    x = np.where(real, x, EOS)[: count * 4 + 1]
+    padded = np.concatenate([x, np.full(count * 4 + 1 - len(x), EOS)])
+    np.testing.assert_array_equal(inputs, padded[:-1].reshape(count, 4))
+    np.testing.assert_array_equal(targets, padded[1:].reshape(count, 4))
+    expected = np.concatenate([real[1 : count * 4 + 1], np.zeros(count * 4 + 1 - len(x))])
+    np.testing.assert_array_equal(mask.ravel(), expected)
+    if whole:
+        assert mask.sum() == len(stream)
+        np.testing.assert_array_equal(targets[mask > 0], stream)
+    starts = np.flatnonzero((inputs.ravel()[:-1] == EOS) & (inputs.ravel()[1:] != EOS)) + 1
+    assert (starts % 4 == 0).all() and len(starts) == (4 if whole else 3)
+
+
 def write_task(path, examples) -> str:
     path.write_text("".join(json.dumps(e) + "\n" for e in examples))
     return str(path)

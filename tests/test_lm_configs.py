@@ -173,3 +173,25 @@ def test_tiny_trains(model):
         assert bool(jnp.isfinite(metrics["loss"])), metrics
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), first, state.params)
     assert all(jax.tree.leaves(moved)), "some parameters did not move"
+
+
+@pytest.mark.parametrize(
+    ("variant", "overrides", "align"),
+    [
+        ("hope-tiny", {}, None),  # the shortest CMS period
+        ("titans_mac-tiny", {}, None),  # the memory-as-context segment
+        ("transformer-tiny", {}, 1),
+        ("hope-tiny", {"documents": False}, None),  # nothing to align: the state flows on
+        ("hope-tiny", {"align": 1}, 1),  # packed densely by choice
+    ],
+)
+def test_the_task_aligns_documents_to_the_models_grid(variant, overrides, align):
+    cfg = config(variant)
+    cfg.task.update(overrides)
+    task = nc.build(cfg).task
+    if variant == "hope-tiny" and not overrides:
+        align = min(cfg.levels[name].every for name in cfg.model.cms)
+    elif variant == "titans_mac-tiny":
+        align = cfg.model.window
+    assert task.align == align
+    assert align is None or align == 1 or align >= 4

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nested.data import TokensTask, corpus, make_task
+from nested.data.tokens import align_documents, document_ids
 from nested.run import train
 
 T = 8
@@ -103,6 +104,36 @@ def test_document_ids_at_a_boundary(prepared):
     assert (docs[:, 0] == 0).all()
 
 
+def test_align_documents_by_hand():
+    window = np.array([104, 105, EOS, 111, 107, EOS, 97])
+    aligned, real = align_documents(window, EOS, 4)
+    np.testing.assert_array_equal(aligned, [104, 105, EOS, EOS, 111, 107, EOS, EOS, 97])
+    np.testing.assert_array_equal(real, [1, 1, 1, 0, 1, 1, 1, 0, 1])
+    # the pads stay in the document they end
+    np.testing.assert_array_equal(document_ids(aligned[None], EOS), [[0, 0, 0, 0, 1, 1, 1, 1, 2]])
+    same, real = align_documents(window, EOS, 1)
+    np.testing.assert_array_equal(same, window)
+    assert real.all()
+
+
+def test_aligned_batches_start_every_document_on_the_grid(prepared):
+    """With ``align=A`` every document after a row's first starts at a multiple of A, the pads
+    are never scored, and the scored targets are the plain window's tokens in order."""
+    out, _ = prepared
+    A, t = 8, 32
+    aligned = TokensTask(path=str(out), seq_len=t, align=A).batch(1, 16)
+    plain = TokensTask(path=str(out), seq_len=t).batch(1, 16)
+    docs = aligned.extras["documents"]
+    np.testing.assert_array_equal(docs, document_ids(aligned.inputs, EOS))
+    rows, starts = np.nonzero(docs[:, 1:] != docs[:, :-1])
+    assert len(starts) > 4 and ((starts + 1) % A == 0).all()
+    assert 0 < (aligned.mask == 0).sum() < aligned.mask.size // 2
+    assert (aligned.targets[aligned.mask == 0] == EOS).all()
+    for b in range(16):
+        scored = aligned.targets[b][aligned.mask[b] > 0]
+        np.testing.assert_array_equal(scored, plain.targets[b][: len(scored)])
+
+
 def test_resume_reads_the_same_batch(prepared):
     out, _ = prepared
     first = TokensTask(path=str(out), seq_len=T, seed=3)
@@ -171,6 +202,8 @@ def test_bad_configs_are_one_line(prepared, tmp_path):
         assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"seq_len=0 is invalid"):
         TokensTask(path=str(out), seq_len=0)
+    with pytest.raises(ValueError, match=r"align=0 is invalid.*use a positive int"):
+        TokensTask(path=str(out), seq_len=T, align=0)
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     (broken / "train-00001.bin").write_bytes(b"\x01\x00")

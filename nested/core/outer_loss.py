@@ -25,7 +25,9 @@ layer-local state restarts at a start inside the span, and the blocks' reads of 
 starting inside a span use their initial parameters. Where a span's first token starts a
 document, the whole fast state restarts before the span; where a document starts later in a
 span, the outer-loss levels restart (tick 0) before the next one. So a packed row equals its
-documents run alone when they start at multiples of the shortest period ``w``.
+documents run alone when they start at multiples of the shortest period ``w``, as the task
+``tokens`` lays them out (its ``align``, set to the model's grid: ``nested.run.config.
+document_grid``); elsewhere their periods count from the row's start.
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ EOS starts a new document). Example (T = 6, EOS = 256): window ``104 105 256 111
 gives inputs ``104 105 256 111 107 256``, targets ``105 256 111 107 256 97``, documents
 ``0 0 0 1 1 1``.
 
+Alignment (``align = A > 1``): the window is laid out by :func:`align_documents` before the
+split into inputs and targets, so every document after the row's first begins at a multiple of
+A, and cut back to T + 1; the mask is 0 where the target is a pad. With A = 4 the window above
+becomes ``104 105 256 256 111 107 256``: inputs ``104 105 256 256 111 107``, targets ``105 256
+256 111 107 256``, mask ``1 1 0 1 1 1``, documents ``0 0 0 0 1 1``; its last token ``97`` is
+not read. The share of a split's tokens so skipped is about ``(A - 1) / 2`` per document over
+the mean document length.
+
 Checks, when the split is first read (one-line ``ValueError``): a folder without a valid
 ``index.json``, a shard missing or of the wrong size, a model ``vocab_size`` smaller than the
 tokenizer's, a ``tokenizer_sha256`` that is not the index's, a split shorter than one window.
@@ -48,12 +56,38 @@ from nested.data.batch import Batch, check_request, field_error, make_batch
 
 def document_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
     """(B, T) int32 document index of each position of ``inputs`` (B, T) within its row: 0 at
-    position 0, incremented at each position that follows an EOS."""
-    after_eos = (inputs[:, :-1] == eos_id).astype(np.int32)
+    position 0, incremented where a token that is not EOS follows an EOS (so the EOS pads of
+    :func:`align_documents` stay in the document they end)."""
+    begins = (inputs[:, :-1] == eos_id) & (inputs[:, 1:] != eos_id)
     return np.concatenate(
-        [np.zeros((inputs.shape[0], 1), np.int32), np.cumsum(after_eos, axis=1, dtype=np.int32)],
+        [
+            np.zeros((inputs.shape[0], 1), np.int32),
+            np.cumsum(begins, axis=1, dtype=np.int32),
+        ],
         axis=1,
     )
+
+
+def align_documents(tokens: np.ndarray, eos_id: int, grid: int) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens (N,)``, documents each ended by EOS (the first may be the end of one), laid out
+    so that every document after the first begins at a multiple of ``grid``: each document is
+    followed by EOS pads up to the next multiple, ``start_k = sum_{j<k} grid * ceil(len_j /
+    grid)``. Returns ``(aligned (M,), real (M,) bool)``, False at the pads; ``grid = 1`` gives
+    ``tokens`` back."""
+    ends = np.flatnonzero(tokens == eos_id) + 1  # where each document after the first begins
+    ends = ends[ends < len(tokens)]
+    lengths = np.diff(np.concatenate([[0], ends, [len(tokens)]]))
+    starts = np.concatenate([[0], np.cumsum(-(-lengths[:-1] // grid) * grid)])
+    position = (
+        np.repeat(starts, lengths)
+        + np.arange(len(tokens))
+        - np.repeat(np.concatenate([[0], ends]), lengths)
+    )
+    size = int(starts[-1] + lengths[-1]) if len(tokens) else 0
+    aligned = np.full(size, eos_id, tokens.dtype)
+    real = np.zeros(size, bool)
+    aligned[position], real[position] = tokens, True
+    return aligned, real
 
 
 class WindowSource:
@@ -101,6 +135,11 @@ class TokensTask:
         each document start inside a window (False: documents are packed and the state flows
         across them, as ttt-lm-jax and most JAX trainers do; cheaper where a kernel lacks
         document starts and the generic loop would run).
+      align: documents after a window's first begin at multiples of ``align`` positions (EOS
+        pads after each document, never scored; the raw window's tokens pushed past T are not
+        read): a model whose schedule keeps a grid of the row (CMS spans, memory-as-context
+        segments) then runs each document exactly as alone. None: 1 here; an experiment sets
+        it to its model's grid (``nested.run.config``).
 
     Extras: ``documents`` (B, T) int32 (with ``documents=True``), see :func:`document_ids`.
     """
@@ -112,6 +151,7 @@ class TokensTask:
     eval_seq_len: int | None = None
     tokenizer_sha256: str | None = None
     documents: bool = True
+    align: int | None = None
 
     name: ClassVar[str] = "tokens"
     eval_splits: ClassVar[tuple[str, ...]] = ("val",)
@@ -127,6 +167,8 @@ class TokensTask:
             raise field_error(self.name, "eval_seq_len", self.eval_seq_len, "use a positive int")
         if not isinstance(self.documents, bool):
             raise field_error(self.name, "documents", self.documents, "use True or False")
+        if self.align is not None and (not isinstance(self.align, int) or self.align < 1):
+            raise field_error(self.name, "align", self.align, "use a positive int (1: none)")
 
     def split_seq_len(self, split: str) -> int:
         """T of ``split``'s windows."""
@@ -238,9 +280,14 @@ class TokensTask:
             global_rows = global_rows[rows]
         t = self.split_seq_len(split)
         windows = np.stack([self.window(split, r) for r in global_rows]).reshape(-1, t + 1)
+        real = np.ones(windows.shape, bool)
+        if (self.align or 1) > 1:
+            laid = [align_documents(w, self.eos_id, self.align) for w in windows]
+            windows = np.stack([w[: t + 1] for w, _ in laid]).reshape(-1, t + 1)
+            real = np.stack([r[: t + 1] for _, r in laid]).reshape(-1, t + 1)
         inputs = windows[:, :-1]
         extras = {"documents": document_ids(inputs, self.eos_id)} if self.documents else {}
-        return make_batch(inputs, windows[:, 1:], np.ones(inputs.shape, np.float32), **extras)
+        return make_batch(inputs, windows[:, 1:], real[:, 1:].astype(np.float32), **extras)
 
     def prefetch(
         self,
@@ -290,7 +337,14 @@ class TokensTask:
             f"with EOS after each, windows of T={self.seq_len} + 1 tokens at stride T, train "
             f"shuffled per epoch (grain, seed {self.seed} + epoch), val in order (T="
             f"{self.split_seq_len('val')}); inputs = w[:-1], targets = w[1:], every position "
-            "scored, extras documents: the document of each position within its row.\n"
+            "scored, extras documents: the document of each position within its row"
+            + (
+                f"; every document after a row's first starts at a multiple of {self.align} "
+                "(EOS pads, not scored)"
+                if (self.align or 1) > 1
+                else ""
+            )
+            + ".\n"
             "Example (EOS 256): window 104 105 256 111 107 256 97 -> inputs 104 105 256 111 107 "
             "256, targets 105 256 111 107 256 97, documents 0 0 0 1 1 1."
         )

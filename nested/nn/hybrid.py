@@ -103,7 +103,8 @@ class MemoryAsContext(nnx.Module):
     memory's initial state; inside a segment, the tokens of a document starting there retrieve
     from the initial memory and attend within their document, and the memory restarts at the
     start. Segments stay ``window`` tokens from the row's start, so a packed row equals its
-    documents run alone when they start at multiples of ``window``.
+    documents run alone when they start at multiples of ``window``, as the task ``tokens``
+    lays them out (its ``align``, set to the model's grid).
     """
 
     def __init__(

@@ -17,7 +17,9 @@ values. Every key a config accepts, with its type and value::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -234,6 +236,20 @@ def _model_hyper(config, model, entry, slots, levels) -> dict[str, Any]:
     return {**hyper, **{k: v for k, v in options.items() if model.get(k) is None}}
 
 
+def document_grid(model: Mapping[str, Any], levels: Mapping[str, Level]) -> int:
+    """The positions a model's schedule counts from a row's start, not from each document's:
+    multiples of the shortest period of the levels learning from the outer loss (the CMS
+    spans, ``nested.core.outer_loss``) and of the memory-as-context segment (``model.window``
+    with ``mixer="context"``); 1 when none. A document starting on this grid runs as alone
+    (every other schedule restarts at any start), so the task ``tokens`` aligns documents to
+    it (its ``align``)."""
+    periods = [level.every for level in levels.values() if level.learns_outer_loss]
+    grid = min(periods, default=1)
+    if model.get("mixer") == "context" and model.get("window"):
+        grid = math.lcm(grid, model["window"])
+    return grid
+
+
 SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
 
 
@@ -281,6 +297,8 @@ def build(config: config_dict.ConfigDict) -> Experiment:
         )
         for name, section in config.levels.items()
     }
+    if getattr(task, "align", 1) is None and getattr(task, "documents", False):
+        task = dataclasses.replace(task, align=document_grid(model, levels))
     carries_fast = any(level.persist == "stream" for level in levels.values())
     segment = model.get("window")
     if model.get("mixer") == "context" and carries_fast and task.seq_len % (segment or 1):

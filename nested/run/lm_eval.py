@@ -15,7 +15,9 @@ EOS; N = the index's val ``tokens``) is scored whole, every token once: prefixed
 precedes a document), ``x = (EOS, s_1, .., s_N)`` is cut into W = ceil(N / T) windows of T =
 the run's val length (``task.eval_seq_len``, else ``seq_len``): window w has inputs
 ``x[wT : wT + T]`` and targets ``x[wT + 1 : wT + T + 1]``, the last one padded with EOS past
-``s_N`` (mask 0). The windows are laid out in B rows (``batch_size``) of K = ceil(W / B)
+``s_N`` (mask 0). A run whose task aligns documents (``task.align`` A > 1) scores ``x`` laid out
+as its training windows were (each document after EOS pads to a multiple of A, the pads masked,
+so still every token once). The windows are laid out in B rows (``batch_size``) of K = ceil(W / B)
 consecutive windows (row b: windows bK .. bK + K - 1, then fully masked ones) and scored K
 batches in turn. Fast state follows the config as in training: a level with
 ``persist="stream"`` (and an attention cache) carries its state from window to window of a row,
@@ -28,10 +30,10 @@ decode to (an EOS decodes to none; its prediction is scored), so it compares acr
 **Perplexity by position.** Windows of L = ``max_len`` (default 4 x the trained ``seq_len`` T,
 a multiple of it) of the same ``x``, the floor(N / L) complete ones, each from the learned
 initial state (nothing carried: at position p the model has read exactly p + 1 tokens).
-``nll(p)`` is the mean of ``nll_p`` over the windows, p = 0 .. L - 1, reported per bucket of
-``max(T // 4, 1)`` positions ``[start, end)`` (the mean over its positions) and as
-``nll_within`` (p < T, the trained length) and ``nll_beyond`` (p >= T): how attention with
-RoPE past its trained length and fast-weight memories extrapolate.
+``nll(p)`` is the mean of ``nll_p`` over the windows that score position p, p = 0 .. L - 1,
+reported per bucket of ``max(T // 4, 1)`` positions ``[start, end)`` (the mean over its
+positions) and as ``nll_within`` (p < T, the trained length) and ``nll_beyond`` (p >= T): how
+attention with RoPE past its trained length and fast-weight memories extrapolate.
 
 **Zero-shot multiple choice** with the ``loglikelihood`` semantics of EleutherAI
 lm-evaluation-harness (``TemplateLM.loglikelihood`` / ``_encode_pair``, HFLM's
@@ -84,7 +86,7 @@ from tqdm import tqdm
 
 from nested.core.scheduler import Program
 from nested.data import TokensTask, corpus
-from nested.data.tokens import document_ids
+from nested.data.tokens import align_documents, document_ids
 from nested.learn.objectives import token_cross_entropy
 from nested.run import checkpoint, metrics, train
 from nested.run import config as config_lib
@@ -136,20 +138,24 @@ def val_stream(task: TokensTask) -> np.ndarray:
 
 
 def windows(
-    stream: np.ndarray, length: int, eos: int, *, whole: bool = True
+    stream: np.ndarray, length: int, eos: int, *, whole: bool = True, align: int = 1
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``x = (EOS, stream)`` as windows of ``length`` L: window w has inputs ``x[wL : wL + L]``
-    and targets ``x[wL + 1 : wL + L + 1]``. ``whole``: ceil(N / L) windows, the last padded with
-    EOS past the stream (mask 0), so each of the N tokens is a target once; else the floor(N / L)
-    complete ones. Returns inputs, targets (W, L) int32 and mask (W, L) float32."""
-    n = len(stream)
+    and targets ``x[wL + 1 : wL + L + 1]``. ``whole``: ceil(M / L) windows of the M targets,
+    the last padded with EOS past the stream (mask 0), so each of the N tokens is a target once;
+    else the floor(M / L) complete ones. ``align``: ``x`` laid out by
+    :func:`nested.data.tokens.align_documents` first (as the run's training windows), its pads
+    masked. Returns inputs, targets (W, L) int32 and mask (W, L) float32."""
+    x, real = align_documents(np.concatenate([[eos], stream]).astype(np.int32), eos, align)
+    n = len(x) - 1
     count = -(-n // length) if whole else n // length
     used = min(n, count * length)
-    x = np.full(count * length + 1, eos, np.int32)
-    x[1 : used + 1] = stream[:used]
-    mask = (np.arange(count * length) < used).astype(np.float32)
+    padded = np.full(count * length + 1, eos, np.int32)
+    padded[: used + 1] = x[: used + 1]
+    mask = np.zeros(count * length, np.float32)
+    mask[:used] = real[1 : used + 1]
     shape = (count, length)
-    return x[:-1].reshape(shape), x[1:].reshape(shape), mask.reshape(shape)
+    return padded[:-1].reshape(shape), padded[1:].reshape(shape), mask.reshape(shape)
 
 
 def as_rows(arrays: Sequence[np.ndarray], rows: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -177,7 +183,7 @@ def perplexity(
     score = score or make_score_fn(program)
     length = task.split_seq_len(SPLIT)
     stream = val_stream(task)
-    inputs, targets, mask = windows(stream, length, task.eos_id)
+    inputs, targets, mask = windows(stream, length, task.eos_id, align=task.align or 1)
     count = len(inputs)
     (inputs, targets, mask), real = as_rows([inputs, targets, mask], batch_size)
     mask = mask * real[..., None]  # the copies past W score nothing
@@ -213,7 +219,9 @@ def by_position(
     program, params = trained.program, trained.state.params
     score = score or make_score_fn(program)
     trained_len = trained.config.task.seq_len
-    inputs, targets, mask = windows(val_stream(task), max_len, task.eos_id, whole=False)
+    inputs, targets, mask = windows(
+        val_stream(task), max_len, task.eos_id, whole=False, align=task.align or 1
+    )
     count = len(inputs)
     inputs, targets, mask = _padded([inputs, targets, mask], batch_size)
     mask[count:] = 0
@@ -222,7 +230,7 @@ def by_position(
         part = slice(i, i + batch_size)
         nll, _ = score(params, inputs[part], targets[part], mask[part], None)
         sums += np.asarray(nll, np.float64).sum(axis=0)
-    nll = sums / count
+    nll = sums / np.maximum(mask.sum(axis=0), 1)  # the scored windows at each position
     width = max(trained_len // 4, 1)
     buckets = [
         {"start": s, "end": min(s + width, max_len), "nll": float(nll[s : s + width].mean())}
