@@ -55,10 +55,23 @@ def memories(level, seed):
 
 def states(level):
     """The state of each row's first document (a non-zero rule state where the rule has one)
-    and the fresh state every later document starts from (other learned memories)."""
-    state = inner.initial_state(level, memories(level, 9))
-    state = state.replace(opt_state=jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), state.opt_state))
-    return state, inner.initial_state(level, memories(level, 7))
+    and the state every later document starts from (other learned memories); both with a full
+    window of earlier samples where the objective reads one (an Omega window), unlike each
+    other, so a document's first windows must read the right one."""
+
+    def filled(state, shift):
+        opt_state = jax.tree.map(lambda x: shift * jnp.ones_like(x), state.opt_state)
+        if state.cache is None or "window" not in state.cache:
+            return state.replace(opt_state=opt_state)
+        keys = jax.random.split(jax.random.key(int(10 * shift)), 3)
+        window = {
+            name: jax.random.uniform(key, x.shape, x.dtype, 0.2, 1.0)
+            for key, (name, x) in zip(keys, sorted(state.cache["window"].items()), strict=True)
+        }
+        return state.replace(opt_state=opt_state, cache={**state.cache, "window": window})
+
+    state = filled(inner.initial_state(level, memories(level, 9)), 0.1)
+    return state, filled(inner.initial_state(level, memories(level, 7)), 0.3)
 
 
 def alone(kernel, level, state, ctx):

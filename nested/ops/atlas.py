@@ -21,6 +21,9 @@ Relation to Titans: with c = 1, phi = None, K = 0 this is ``titans`` with the st
 the momentum instead of inside it; the two are the same when h is constant in time
 (S_titans = h S_atlas) or when m = 0.
 
+Packed documents (``starts``): each document runs as if alone from ``start_state``, its window
+at first the one it started with (``nested.ops.chunk_scan``, ``nested.ops.documents``).
+
 Chunked form: all gradients of a chunk at its start theta_s (mini-batch semantics, as Titans).
 Without Muon the state stays linear in the gradients and is read through the dual form; with
 Muon the per-token momenta S_t of a chunk are formed (in parallel) and orthogonalised, as the
@@ -32,13 +35,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nested.learn.memories import polynomial_features  # noqa: F401 - re-exported by nested.ops
 from nested.learn.rules import newton_schulz
 from nested.ops import chunk_coefficients as cc
 from nested.ops import chunk_scan as cs
+from nested.ops import documents, validation
 from nested.ops import mlp_memory as mm
-from nested.ops import validation
 
 
 class AtlasState(NamedTuple):
@@ -75,10 +79,12 @@ def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window
         S_t = P_t S_s - sum_i Lambda_{t,i} grad l_i(theta_s),
         theta_t = A_t theta_s + sum_{r <= t} D^alpha_{t,r} h_r NS_K(S_r)
 
-    (``chunk_coefficients``). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_v))."""
-    k, v, band, prefix = cs.window_samples(carry.prefix, chunk, window)
-    grads = mm.sample_grads(carry.params, k, v, form)
-    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band)
+    (``chunk_coefficients``). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_v)).
+    With documents every segment (``nested.ops.documents``) runs from its own base, as in
+    ``chunk_scan.by_segments``; the tokens' own states give the end state directly."""
+    k, v, band, _, prefix = cs.window_samples(carry.prefix, chunk, window, carry.window0)
+    seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
+    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
     lam, mom_base = coef.lam, coef.mom_base
 
     def per_token(p, s, x, d):
@@ -97,13 +103,34 @@ def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window
         }
         return s_t, theta_t
 
-    layers = zip(carry.params, carry.momentum, *grads, strict=True)
-    states = [per_token(*layer) for layer in layers]
-    s_t = tuple(s for s, _ in states)
-    theta_t = tuple(t for _, t in states)
-    o = mm.mlp_apply(theta_t if read == "after_write" else carry.params, chunk.q, form)
+    def run(at, params, momentum):  # (S_t, theta_t, o) of every token from one base
+        grads = mm.sample_grads(at, k, v, form)
+        states = [per_token(*layer) for layer in zip(params, momentum, *grads, strict=True)]
+        s_t, theta_t = tuple(s for s, _ in states), tuple(t for _, t in states)
+        o = mm.mlp_apply(theta_t if read == "after_write" else at, chunk.q, form)
+        return s_t, theta_t, o
+
     last = lambda tree: jax.tree.map(lambda x: x[:, :, -1], tree)
-    return cs.ScanCarry(last(theta_t), last(s_t), prefix), o
+    if seg is None:
+        s_t, theta_t, o = run(carry.params, carry.params, carry.momentum)
+        return carry._replace(params=last(theta_t), momentum=last(s_t), prefix=prefix), o
+    state, start = (carry.params, carry.momentum), carry.restart
+    at = carry.params if carry.at is None else carry.at
+    first, later = run(at, *state), run(start[0], *start)
+    mid = start
+    if carry.at is not None:  # the running document's next mini-batch may begin in the chunk
+        count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
+        row = jnp.maximum(count - 1, 0).reshape(-1, 1, 1)
+        token = lambda x: jnp.take_along_axis(x, row.reshape(row.shape + (1,) * (x.ndim - 3)), 2)
+        after = jax.tree.map(lambda x: token(x)[:, :, 0], (first[1], first[0]))
+        mid = documents.choose(count == 0, state, after)
+        later = documents.select(seg.second, run(mid[0], *mid), later)
+    s_t, theta_t, o = documents.select(seg.first, first, later)
+    new = carry._replace(params=last(theta_t), momentum=last(s_t), prefix=prefix)
+    if carry.at is not None:
+        base = documents.pick(seg.first, state, documents.pick(seg.second, mid, start))
+        new = new._replace(at=documents.pick(seg.first, at, base[0]))
+    return new, o
 
 
 def atlas(
@@ -124,6 +151,8 @@ def atlas(
     activation="gelu",
     residual_norm: bool = False,
     norm_eps: float = 1e-6,
+    starts: jax.Array | None = None,
+    start_state: AtlasState | None = None,
 ) -> tuple[jax.Array, AtlasState]:
     """ATLAS memory over a sequence (chunked; chunk_size=1 is the online rule).
 
@@ -138,8 +167,11 @@ def atlas(
       muon_steps: Newton-Schulz iterations K (0: plain momentum).
       read: "after_write" (o_t = f_{theta_t}(phi(q_t))) or "chunk_start" (theta at the start of
         t's chunk), as in ``titans``.
+      starts: (B, T) bool, True where a new document starts (as in ``titans``): each document
+        runs as if alone, the first from ``state``, every later one from ``start_state`` (like
+        ``state``: with its window of samples), its chunks counted from its start.
     Returns:
-      o (B, T, H, d_v) and the final ``AtlasState``.
+      o (B, T, H, d_v) and the final ``AtlasState`` (its window the last document's).
     """
     validation.check_activation(activation)
     b, t, h, d_k, d_v = validation.check_sequence(q, k, v)
@@ -156,6 +188,9 @@ def atlas(
     if not isinstance(state, AtlasState):
         state = atlas_state(state[0], window=window, d_k=d_k, momentum=state[1])
     validation.check_window_buffer(state, b=b, h=h, window=window, d_k=d_k, d_v=d_v)
+    if start_state is not None and not isinstance(start_state, AtlasState):
+        start_state = atlas_state(start_state[0], window=window, d_k=d_k, momentum=start_state[1])
+    validation.check_starts(starts, start_state, b, t, like=state)
     form = mm.make_form(activation, residual_norm, norm_eps)
     dtype = jnp.result_type(q, k, v, lr, momentum, decay, gates, *jax.tree.leaves(tuple(state)))
     state = cs.cast(state, dtype)
@@ -163,23 +198,42 @@ def atlas(
     seq = cs.ChunkInputs(
         phi(q), phi(k), v, jnp.ones_like(lr), step_out=lr, mom=momentum, keep=1 - decay, gate=gates
     )
-    prefix = cs.Samples(phi(state.keys), state.values, state.gates) if window > 1 else None
-    carry = cs.ScanCarry(tuple(state.params), tuple(state.momentum), prefix)
+    window_of = lambda s: cs.Samples(phi(s.keys), s.values, s.gates) if window > 1 else None
+    carry = cs.ScanCarry(tuple(state.params), tuple(state.momentum), window_of(state))
+    if starts is not None:
+        start_state = cs.cast(AtlasState(*start_state), dtype)
+        restart = (tuple(start_state.params), tuple(start_state.momentum))
+        carry = carry._replace(restart=restart, window0=window_of(start_state))
+    seq = seq._replace(starts=starts)
     if muon_steps:
+        carry, seq = cs.with_documents(carry, seq, chunk_size=chunk_size, window=window)
         step = partial(_muon_step, form=form, read=read, window=window, steps=muon_steps)
         o, final = cs.scan_chunks(step, carry, seq, chunk_size=chunk_size)
     else:
         o, final = cs.scan_rule(
             carry, seq, chunk_size=chunk_size, form=form, read=read, window=window
         )
-    # The buffer for the next call: the last c - 1 samples (raw keys) of old buffer + sequence.
-    tail = lambda old, new: jnp.concatenate([old, jnp.moveaxis(new, 1, 2)], axis=2)[
-        :, :, old.shape[2] + new.shape[1] - (window - 1) :
-    ]
+    if window == 1:
+        return o, AtlasState(final.params, final.momentum, state.keys, state.values, state.gates)
+    # The buffer for the next call: samples t - c + 1 .. t - 1 of [start's; old; sequence]
+    # (rows c - 1 + t + s); with documents, where one precedes the last document's start, the
+    # entry of the window that document started with (``documents.window_rows``).
+    slot = np.arange(window - 1)[None]
+    rows = jnp.broadcast_to(window - 1 + t + slot, (b, window - 1))
+    first = state
+    if starts is not None:
+        offset = documents.offsets(starts)[:, -1:] + 1  # (B, 1): of the position after the last
+        rows, first = jnp.where(window - 1 - slot > offset, offset + slot, rows), start_state
+
+    def tail(start, old, new):
+        samples = jnp.concatenate([start, old, jnp.moveaxis(new, 1, 2)], axis=2)
+        index = rows.reshape(b, 1, window - 1, *(1,) * (samples.ndim - 3))
+        return jnp.take_along_axis(samples, index, axis=2)
+
     return o, AtlasState(
         final.params,
         final.momentum,
-        tail(state.keys, k),
-        tail(state.values, v),
-        tail(state.gates, gates),
+        tail(first.keys, state.keys, k),
+        tail(first.values, state.values, v),
+        tail(first.gates, state.gates, gates),
     )

@@ -82,16 +82,17 @@ def _products_below_jvp(primals, tangents):
     return decay, (decay * dx[..., None, :]) @ below
 
 
-def window_band(gate: Array, window: int) -> Array:
-    """Omega-rule weights over samples: token t (chunk row) sums samples t .. t + window - 1.
+def window_band(gate: Array, rows) -> Array:
+    """Omega-rule weights over samples: token t (chunk row) sums the samples of its window.
 
-    ``gate`` (B, H, N) covers the window - 1 samples before the chunk then the chunk's C tokens;
-    returns (B, H, C, N) with entry ``gate_i`` where sample i lies in token t's window."""
-    n = gate.shape[-1]
-    c = n - window + 1
-    t, i = np.arange(c)[:, None], np.arange(n)[None, :]
-    inside = (i >= t) & (i < t + window)
-    return jnp.where(inside[None, None], gate[..., None, :], jnp.zeros((), gate.dtype))
+    ``gate`` (B, H, N) the samples' gates, ``rows`` (C, window) or (B, 1, C, window) the rows
+    of each token's samples in them (``chunk_scan.window_samples``); returns (B, H, C, N) with
+    entry ``gate_i`` where sample i lies in token t's window, else 0."""
+    xp = np if isinstance(rows, np.ndarray) else jnp  # static rows: a constant mask
+    samples = xp.arange(gate.shape[-1]).reshape((1,) * rows.ndim + (-1,))
+    inside = xp.any(rows[..., None] == samples, axis=-2)  # (.., C, N)
+    inside = inside.reshape((1, 1) * (inside.ndim == 2) + inside.shape)
+    return jnp.where(inside, gate[..., None, :], jnp.zeros((), gate.dtype))
 
 
 def accumulate(decay: Array | None, x: Array) -> Array:

@@ -20,12 +20,14 @@ u = w = 0, gate 0, zero inputs: ``INERT``) that leave (theta, S) unchanged, then
 chunk loop is a ``lax.scan`` whose body is rematerialised (``jax.checkpoint``) so the backward
 stores only chunk-boundary states.
 
-Packed documents (``starts``, :mod:`nested.ops.documents`; no Omega window): the coefficients of
-a chunk are cut into segments (no coupling across, products restarted at each segment's start),
-so a chunk's gradient factors and reads computed from one base state are right on the tokens
-whose segment starts from that base; ``by_segments`` computes them from each base (the carried
-state, a mini-batch's state after the first segment, the documents' initial state), keeps each
-token's own, and continues the last segment's base to the chunk's end state.
+Packed documents (``starts``, :mod:`nested.ops.documents`): the coefficients of a chunk are cut
+into segments (no coupling across, products restarted at each segment's start), so a chunk's
+gradient factors and reads computed from one base state are right on the tokens whose segment
+starts from that base; ``by_segments`` computes them from each base (the carried state, a
+mini-batch's state after the first segment, the documents' initial state), keeps each token's
+reads, and continues the last segment's base, with the gradients taken from it, to the chunk's
+end state. An Omega window reads, for a document's first window - 1 tokens, the samples of the
+window that document started with in place of the previous document's (``window_samples``).
 """
 
 import math
@@ -35,7 +37,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nested.ops import chunk_coefficients as cc
 from nested.ops import documents, online
@@ -66,6 +67,7 @@ class ChunkInputs(NamedTuple):
     gate: Array | None = None  # g: Omega sample gates (None: one sample a token, weight 1)
     starts: Array | None = None  # where a document starts (None: one document)
     begins: Array | None = None  # where a segment begins: a document, or a period of one
+    offset: Array | None = None  # position within the document (Omega windows with documents)
 
 
 # Padding that makes a token a no-op of the rule: no step, retentions 1, no samples.
@@ -80,6 +82,7 @@ INERT = ChunkInputs(
     gate=0.0,
     starts=False,
     begins=False,
+    offset=documents.FIRST_DOCUMENT,
 )
 
 
@@ -95,14 +98,16 @@ class ScanCarry(NamedTuple):
     """The state between chunks: theta_s and S_s (params-shaped, leading (B, H); momentum None
     without momentum) and the window - 1 samples before the chunk (None without a window).
     With documents: ``restart``, the (params, momentum) every document after the first starts
-    from, and for mini-batches ``at``, the state the unfinished mini-batch's gradients are
-    taken at (its start); both None otherwise."""
+    from, ``window0`` the window of samples it starts with (with a window), and for
+    mini-batches ``at``, the state the unfinished mini-batch's gradients are taken at (its
+    start); None otherwise."""
 
     params: mm.Params
     momentum: mm.Params | None
     prefix: Samples | None
     at: mm.Params | None = None
     restart: tuple[mm.Params, mm.Params | None] | None = None
+    window0: Samples | None = None
 
 
 def cast(tree, dtype):
@@ -110,17 +115,24 @@ def cast(tree, dtype):
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
 
 
-def window_samples(prefix: Samples | None, chunk: ChunkInputs, window: int):
-    """Samples (k, v) the chunk's losses use, their Omega band (None: one sample per token), and
-    the prefix (last window - 1 samples) carried to the next chunk."""
+def window_samples(prefix: Samples | None, chunk: ChunkInputs, window: int, window0=None):
+    """The samples (k, v) the chunk's losses use, their Omega band (None: one sample per
+    token), the rows of each token's window in them ((C, window), or (B, 1, C, window) with
+    documents) and the prefix (last window - 1 samples) carried to the next chunk. With
+    documents (``chunk.offset``) and a window the samples are ``[window0; prefix; chunk]``: a
+    document's first tokens read the window it started with (``documents.window_rows``)."""
     if chunk.gate is None:
-        return chunk.k, chunk.v, None, prefix
+        return chunk.k, chunk.v, None, None, prefix
+    rows = online.sample_rows(chunk.gate.shape[-1], window)
     if window == 1:
-        return chunk.k, chunk.v, cc.window_band(chunk.gate, 1), prefix
+        return chunk.k, chunk.v, cc.window_band(chunk.gate, rows), rows, prefix
     samples = Samples(chunk.k, chunk.v, chunk.gate)
     k, v, g = (jnp.concatenate([p, x], axis=2) for p, x in zip(prefix, samples, strict=True))
     tail = Samples(k[:, :, 1 - window :], v[:, :, 1 - window :], g[:, :, 1 - window :])
-    return k, v, cc.window_band(g, window), tail
+    if chunk.offset is not None:
+        rows = documents.window_rows(chunk.offset, window)
+        k, v, g = (jnp.concatenate([w, x], axis=2) for w, x in zip(window0, (k, v, g), strict=True))
+    return k, v, cc.window_band(g, rows), rows, tail
 
 
 def next_carry(
@@ -165,7 +177,7 @@ def minibatch_step(
     """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
     ATLAS without Muon), each sample's gradient clipped to norm ``clip`` (None: not clipped).
     chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
-    k, v, band, prefix = window_samples(carry.prefix, chunk, window)
+    k, v, band, _, prefix = window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
     theta = cc.theta_coefficients(coef, chunk.step_out)
@@ -181,29 +193,34 @@ def minibatch_step(
     if seg is None:
         grads, o = run(carry.params, carry.params, carry.momentum)
         return next_carry(carry, coef, theta, grads, prefix), o
-    return by_segments(run, carry, seg, coef, theta)
+    return by_segments(run, carry, seg, coef, theta, prefix)
 
 
-def by_segments(run, carry: ScanCarry, seg, coef, theta):
+def by_segments(run, carry: ScanCarry, seg, coef, theta, prefix: Samples | None = None):
     """A chunk of documents: ``run(at, params, momentum) -> (grads, o)``, the chunk's gradient
     factors and reads from one base state, is run from each segment's base (the coefficients
     couple no two segments, so each run is right on its segment's tokens), and the end state
     continues the last segment's base. Mini-batches (``carry.at`` set): the running document's
-    second segment starts from its state after the first. Returns (carry, o)."""
+    second segment starts from its state after the first. ``prefix``: the window's samples
+    carried on. Returns (carry, o)."""
     state, start = (carry.params, carry.momentum), carry.restart
     at = carry.params if carry.at is None else carry.at
-    grads, o = run(at, *state)
-    later = run(start[0], *start)
+    first = run(at, *state)
+    second = later = run(start[0], *start)
     mid = start
     if carry.at is not None:
         count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
-        after = next_carry(carry, coef, theta, grads, None, row=jnp.maximum(count - 1, 0))
+        after = next_carry(carry, coef, theta, first[0], None, row=jnp.maximum(count - 1, 0))
         mid = documents.choose(count == 0, state, (after.params, after.momentum))
-        later = documents.select(seg.second, run(mid[0], *mid), later)
-    grads, o = documents.select(seg.first, (grads, o), later)
-    params, momentum = documents.pick(seg.first, state, documents.pick(seg.second, mid, start))
-    new = next_carry(ScanCarry(params, momentum, None), coef, theta, grads, None)
-    new = new._replace(restart=start)
+        second = run(mid[0], *mid)
+    o = documents.select(seg.first, first[1], documents.select(seg.second, second[1], later[1]))
+    # The end state is the last segment's: its base, and the gradients taken from it (of every
+    # sample its tokens' windows read).
+    last = lambda a, b, c: documents.pick(seg.first, a, documents.pick(seg.second, b, c))
+    params, momentum = last(state, mid, start)
+    grads = last(first[0], second[0], later[0])
+    new = next_carry(ScanCarry(params, momentum, None), coef, theta, grads, prefix)
+    new = new._replace(restart=start, window0=carry.window0)
     if carry.at is not None:
         new = new._replace(at=documents.pick(seg.first, at, params))
     return new, o
@@ -212,7 +229,7 @@ def by_segments(run, carry: ScanCarry, seg, coef, theta):
 def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, read, window):
     """One block of the online rule: token t's gradient at theta_{t-1} (``online.block_grads``).
     block: (B, H, C, ...) for C = ONLINE_BLOCK tokens. Returns (carry, o (B, H, C, d_out))."""
-    k, v, band, prefix = window_samples(carry.prefix, block, window)
+    k, v, band, rows, prefix = window_samples(carry.prefix, block, window, carry.window0)
     seg = None if block.starts is None else documents.segments(block.begins, block.starts)
     coef = cc.coefficients(block.step_in, block.mom, block.keep, None, seg)
     theta = cc.theta_coefficients(coef, block.step_out)
@@ -221,9 +238,10 @@ def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, re
     # times the samples' gates.
     c = theta.base.shape[-1]
     if band is None:
+        rows = online.sample_rows(c, 1)
         gates = jnp.ones((*theta.base.shape, 1), theta.base.dtype)
     else:
-        gates = band[:, :, np.arange(c)[:, None], online.sample_rows(c, window)]
+        gates = jnp.take_along_axis(band, online.rows_like(rows, band), axis=-1)
     per_sample = lambda m: (m[..., None] * gates[:, :, None]).reshape(*m.shape[:-1], -1)
     before = before._replace(gamma=per_sample(before.gamma))
     theta = theta._replace(gamma=per_sample(theta.gamma))
@@ -231,13 +249,13 @@ def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, re
     read_at = theta if read == "after_write" else before
 
     def run(at, params, momentum):  # the online rule's gradients are at each token's state
-        grads = online.block_grads(params, momentum, before, k, v, form, window)
+        grads = online.block_grads(params, momentum, before, k, v, form, rows)
         return grads, mm.dual_read(params, momentum, read_at, block.q, grads, form)
 
     if seg is None:
         grads, o = run(carry.params, carry.params, carry.momentum)
         return next_carry(carry, coef, theta, grads, prefix), o
-    return by_segments(run, carry, seg, coef, theta)
+    return by_segments(run, carry, seg, coef, theta, prefix)
 
 
 def scan_rule(
@@ -247,8 +265,9 @@ def scan_rule(
     ``chunk_size`` (gradients clipped to norm ``clip`` unless None), or for ``chunk_size=1``
     ``online_step`` over blocks of ONLINE_BLOCK (no clip: its backward is written out).
 
-    Documents (``seq.starts`` (B, T), window 1): each runs as if alone, every one after the
-    first from ``carry.restart``, its mini-batches counted from its start."""
+    Documents (``seq.starts`` (B, T)): each runs as if alone, every one after the first from
+    ``carry.restart`` (and with a window ``carry.window0``), its mini-batches counted from its
+    start (``with_documents``)."""
     online_rule = chunk_size == 1
     if online_rule and clip is not None:
         raise ValueError(f"clip={clip!r} needs chunk_size > 1: the online rule does not clip")
@@ -260,15 +279,26 @@ def scan_rule(
         window=window,
         **kwargs,
     )
-    if seq.starts is not None:
-        if window != 1:
-            raise ValueError("document starts need window=1 (no Omega window)")
-        starts = seq.starts
-        begins = starts if online_rule else documents.period_begins(starts, chunk_size)
-        seq = seq._replace(starts=starts[..., None], begins=begins[..., None])
-        carry = carry if online_rule else carry._replace(at=carry.params)
+    carry, seq = with_documents(carry, seq, chunk_size=chunk_size, window=window)
     o, carry = scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online_rule else chunk_size)
-    return o, carry._replace(at=None, restart=None)
+    return o, carry._replace(at=None, restart=None, window0=None)
+
+
+def with_documents(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, window: int):
+    """The carry and sequence a scan over documents needs (``seq.starts`` (B, T); unchanged
+    without): where segments begin (every start, and with mini-batches of ``chunk_size`` the
+    running document's periods), each token's offset in its document (with a window) and the
+    mini-batch's gradient state ``at``."""
+    if seq.starts is None:
+        return carry, seq
+    if window > 1 and carry.window0 is None:
+        raise ValueError("document starts with a window need the window they start with")
+    starts = seq.starts
+    online_rule = chunk_size == 1
+    begins = starts if online_rule else documents.period_begins(starts, chunk_size)
+    offset = documents.offsets(starts)[..., None] if window > 1 else None
+    seq = seq._replace(starts=starts[..., None], begins=begins[..., None], offset=offset)
+    return (carry if online_rule else carry._replace(at=carry.params)), seq
 
 
 def segment_size(n_chunks: int) -> int:

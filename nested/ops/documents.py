@@ -55,6 +55,33 @@ def period_begins(starts: jax.Array, every: int) -> jax.Array:
     return (index - begun) % every == 0
 
 
+FIRST_DOCUMENT = 2**30  # the offset of the row's first document: it never reaches a start
+
+
+def offsets(starts: jax.Array) -> jax.Array:
+    """(B, T) int32: each token's position within its document, counted from the document's
+    start; :data:`FIRST_DOCUMENT` for the row's first one (it continues the op's state, and
+    with it the window of samples the state carries)."""
+    index = jnp.broadcast_to(jnp.arange(starts.shape[1], dtype=jnp.int32), starts.shape)
+    begun = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    first = jnp.cumsum(starts, axis=1) == 0
+    return jnp.where(first, FIRST_DOCUMENT, index - begun)
+
+
+def window_rows(offset: jax.Array, window: int) -> jax.Array:
+    """(..., C, window): the rows of token t's Omega window in the samples ``[initial (window
+    - 1); prefix (window - 1); chunk (C)]``, ``offset (..., C)`` the tokens' positions within
+    their documents: slot s is sample t - window + 1 + s of the sequence (row ``window - 1 + t
+    + s``) if that is in t's document, else entry ``offset_t + s`` of the window its document
+    started with (the ``initial`` rows)."""
+    lead = (1,) * (offset.ndim - 1)
+    t = jnp.arange(offset.shape[-1]).reshape(*lead, -1, 1)
+    s = jnp.arange(window).reshape(*lead, 1, -1)
+    o = offset[..., None]
+    before = window - 1 - s > o  # sample t - window + 1 + s precedes the document's start
+    return jnp.where(before, o + s, window - 1 + t + s)
+
+
 def choose(mask: jax.Array, a, b):
     """``a`` in the batch rows where ``mask`` (B,) holds, else ``b``: pytrees of states with
     leading (B, H)."""

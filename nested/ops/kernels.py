@@ -379,10 +379,19 @@ def _atlas(level: Level, state: LevelState, ctx):
     omega = isinstance(objective, objectives.Omega)
     window = objective.window if omega else 1
     sample_gates = ctx.gates[objective.gate] if omega else jnp.ones_like(ctx.k[..., 0])
-    start = (state.params, state.opt_state.momentum)
-    if window > 1:  # the last window - 1 samples of the previous call (inner.initial_state)
-        buffer = state.cache["window"]
-        start = AtlasState(*start, buffer["k"], buffer["v"], buffer["gate"])
+
+    def atlas_state_of(state: LevelState):
+        if window == 1:
+            return (state.params, state.opt_state.momentum)
+        buffer = state.cache["window"]  # the last window - 1 samples (inner.initial_state)
+        return AtlasState(
+            state.params, state.opt_state.momentum, buffer["k"], buffer["v"], buffer["gate"]
+        )
+
+    documents = {}
+    if ctx.starts is not None:
+        documents = {"starts": ctx.starts, "start_state": atlas_state_of(ctx.initial)}
+    start = atlas_state_of(state)
     o, new = atlas(
         ctx.q,
         ctx.k,
@@ -398,6 +407,7 @@ def _atlas(level: Level, state: LevelState, ctx):
         muon_steps=rule.ns_steps,
         read=level.read,
         **network,
+        **documents,
     )
     cache = state.cache
     if window > 1:
@@ -574,6 +584,8 @@ def _atlas_examples() -> list[Level]:
             rules.muon(ns_steps=2, gate_kinds=small),
             memories.Linear(3, 3),
         ),
+        # the online rule (every=1) over a window: its per-token window rows
+        _level(objectives.Omega(window=3), rules.muon(ns_steps=0, gate_kinds=small), featurized),
         _level(
             objectives.l2,
             rules.muon(ns_steps=1, decay=None, gate_kinds=small),
@@ -595,5 +607,6 @@ register(
         ),
         _atlas,
         _atlas_examples,
+        documents=True,
     )
 )

@@ -328,6 +328,12 @@ def sample_rows(c: int, window: int) -> np.ndarray:
     return np.arange(c)[:, None] + np.arange(window)
 
 
+def rows_like(rows, x: Array) -> Array:
+    """Sample rows (C, window) or (B, 1, C, window) broadcast to (B, H, C, window), ``x``'s
+    leading (B, H)."""
+    return jnp.broadcast_to(jnp.asarray(rows), (*x.shape[:2], *rows.shape[-2:]))
+
+
 def block_grads(
     params: mm.Params,
     momentum: mm.Params | None,
@@ -335,7 +341,7 @@ def block_grads(
     k: Array,
     v: Array,
     form: mm.MemoryForm,
-    window: int,
+    rows,
 ) -> mm.GradFactors:
     """Gradient factors of the online rule over one block of C tokens: token t's gradient is
     taken at theta_{t-1}, in dual form over the block's earlier tokens (``block_factors``).
@@ -344,13 +350,15 @@ def block_grads(
       params, momentum: the block-start state theta_s, S_s (momentum None without one).
       before: the coefficients of theta_{t-1}: base, carry (B, H, C), gamma (B, H, C, C window),
         column j window + s the s-th sample of token j.
-      k, v: (B, H, window - 1 + C, d) samples: token t's window is rows t .. t + window - 1.
+      k, v: (B, H, N, d) samples; rows: (C, window) or (B, 1, C, window), the rows of token
+        t's window in them (``sample_rows``: rows t .. t + window - 1 of [prefix; chunk]).
     Returns:
       the factors of the C window samples, token by token (as ``mlp_memory.sample_grads``).
     """
-    c = before.base.shape[-1]
-    rows = sample_rows(c, window)
-    keys = k[:, :, rows.reshape(-1)]  # (B, H, C * window, d)
+    c, window = rows.shape[-2:]
+    flat = rows_like(rows, k).reshape(*k.shape[:2], c * window, 1)
+    gather = lambda x: jnp.take_along_axis(x, flat, axis=2)  # (B, H, C * window, d)
+    keys = gather(k)
     per_token = lambda x: x.reshape(*x.shape[:2], c, window, x.shape[-1])
     # The first layer's inputs are the samples, known for the whole block: its products with
     # the block-start state and its dual-form scores are one matmul each, not one a token.
@@ -367,7 +375,7 @@ def block_grads(
         rest(momentum),
         before,
         first,
-        v[:, :, rows],
+        per_token(gather(v)),
         per_token(keys) if form.residual_norm else None,
     )
     return mm.GradFactors((keys, *hidden), deltas)
