@@ -180,6 +180,8 @@ def test_tiny_trains(model):
     [
         ("hope-tiny", {}, None),  # the shortest CMS period
         ("titans_mac-tiny", {}, None),  # the memory-as-context segment
+        ("titans-tiny", {}, None),  # the memory's mini-batch
+        ("gated_deltanet-tiny", {}, 1),  # updates every token
         ("transformer-tiny", {}, 1),
         ("hope-tiny", {"documents": False}, None),  # nothing to align: the state flows on
         ("hope-tiny", {"align": 1}, 1),  # packed densely by choice
@@ -191,7 +193,11 @@ def test_the_task_aligns_documents_to_the_models_grid(variant, overrides, align)
     task = nc.build(cfg).task
     if variant == "hope-tiny" and not overrides:
         align = min(cfg.levels[name].every for name in cfg.model.cms)
+        assert align == cfg.levels.projections.every == cfg.levels.memory.every
     elif variant == "titans_mac-tiny":
         align = cfg.model.window
+        assert align % cfg.levels.memory.every == 0
+    elif variant == "titans-tiny":
+        align = cfg.levels.memory.every
     assert task.align == align
     assert align is None or align == 1 or align >= 4

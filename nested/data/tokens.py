@@ -138,8 +138,9 @@ class TokensTask:
       align: documents after a window's first begin at multiples of ``align`` positions (EOS
         pads after each document, never scored; the raw window's tokens pushed past T are not
         read): a model whose schedule keeps a grid of the row (CMS spans, memory-as-context
-        segments) then runs each document exactly as alone. None: 1 here; an experiment sets
-        it to its model's grid (``nested.run.config``).
+        segments) then runs each document exactly as alone, and a mini-batch kernel once a
+        chunk. None: 1 here; an experiment sets it to its model's grid
+        (``nested.run.config.document_grid``).
 
     Extras: ``documents`` (B, T) int32 (with ``documents=True``), see :func:`document_ids`.
     """

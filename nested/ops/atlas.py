@@ -82,6 +82,7 @@ def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window
     (``chunk_coefficients``). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_v)).
     With documents every segment (``nested.ops.documents``) runs from its own base, as in
     ``chunk_scan.by_segments``; the tokens' own states give the end state directly."""
+    carry, chunk = cs.at_chunk_start(carry, chunk)
     k, v, band, _, prefix = cs.window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
@@ -116,15 +117,20 @@ def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window
         return carry._replace(params=last(theta_t), momentum=last(s_t), prefix=prefix), o
     state, start = (carry.params, carry.momentum), carry.restart
     at = carry.params if carry.at is None else carry.at
-    first, later = run(at, *state), run(start[0], *start)
+    first = run(at, *state)  # every row's chunk begins with it (``cs.at_chunk_start``)
+    later = cs.needed(~seg.first & ~seg.second, lambda: run(start[0], *start))
     mid = start
     if carry.at is not None:  # the running document's next mini-batch may begin in the chunk
-        count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
-        row = jnp.maximum(count - 1, 0).reshape(-1, 1, 1)
-        token = lambda x: jnp.take_along_axis(x, row.reshape(row.shape + (1,) * (x.ndim - 3)), 2)
-        after = jax.tree.map(lambda x: token(x)[:, :, 0], (first[1], first[0]))
-        mid = documents.choose(count == 0, state, after)
-        later = documents.select(seg.second, run(mid[0], *mid), later)
+
+        def next_period():  # from the state after the first segment
+            row = (jnp.sum(seg.first, axis=(1, 2)) - 1).reshape(-1, 1, 1)
+            index = lambda x: row.reshape(row.shape + (1,) * (x.ndim - 3))
+            token = lambda x: jnp.take_along_axis(x, index(x), 2)
+            after = jax.tree.map(lambda x: token(x)[:, :, 0], (first[1], first[0]))
+            return after, run(after[0], *after)
+
+        mid, second = cs.needed(seg.second, next_period)
+        later = documents.select(seg.second, second, later)
     s_t, theta_t, o = documents.select(seg.first, first, later)
     new = carry._replace(params=last(theta_t), momentum=last(s_t), prefix=prefix)
     if carry.at is not None:

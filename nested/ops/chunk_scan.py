@@ -177,6 +177,7 @@ def minibatch_step(
     """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
     ATLAS without Muon), each sample's gradient clipped to norm ``clip`` (None: not clipped).
     chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
+    carry, chunk = at_chunk_start(carry, chunk)
     k, v, band, _, prefix = window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
@@ -205,14 +206,17 @@ def by_segments(run, carry: ScanCarry, seg, coef, theta, prefix: Samples | None 
     carried on. Returns (carry, o)."""
     state, start = (carry.params, carry.momentum), carry.restart
     at = carry.params if carry.at is None else carry.at
-    first = run(at, *state)
-    second = later = run(start[0], *start)
+    first = run(at, *state)  # every row's chunk begins with it (``at_chunk_start``)
+    second = later = needed(~seg.first & ~seg.second, lambda: run(start[0], *start))
     mid = start
     if carry.at is not None:
-        count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
-        after = next_carry(carry, coef, theta, first[0], None, row=jnp.maximum(count - 1, 0))
-        mid = documents.choose(count == 0, state, (after.params, after.momentum))
-        second = run(mid[0], *mid)
+
+        def next_period():  # from the state after the first segment
+            count = jnp.sum(seg.first, axis=(1, 2))  # (B,): the first segment's tokens
+            after = next_carry(carry, coef, theta, first[0], None, row=count - 1)
+            return (after.params, after.momentum), run(after.params, after.params, after.momentum)
+
+        mid, second = needed(seg.second, next_period)
     o = documents.select(seg.first, first[1], documents.select(seg.second, second[1], later[1]))
     # The end state is the last segment's: its base, and the gradients taken from it (of every
     # sample its tokens' windows read).
@@ -226,9 +230,37 @@ def by_segments(run, carry: ScanCarry, seg, coef, theta, prefix: Samples | None 
     return new, o
 
 
+def needed(segment: Array, run: Callable):
+    """``run()`` if a token of some row is in ``segment`` (B, 1, C), else zeros shaped like its
+    result: a chunk pays for the bases its segments have (one, where documents start on the
+    chunks' grid)."""
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
+    return jax.lax.cond(jnp.any(segment), run, zeros)
+
+
+def at_chunk_start(carry: ScanCarry, chunk: ChunkInputs) -> tuple[ScanCarry, ChunkInputs]:
+    """With documents, what happens at the chunk's first token happens to the carry: a row
+    whose document starts there continues from the restart state (and its window); a row
+    whose update period begins there takes its gradients at the state it has. Both boundaries
+    leave the chunk's segments, so its first segment runs from the carry in every row."""
+    if chunk.starts is None:
+        return carry, chunk
+    restart = chunk.starts[:, 0, 0]  # (B,)
+    pick = lambda new, old: None if old is None else documents.choose(restart, new, old)
+    params, momentum = pick(carry.restart[0], carry.params), pick(carry.restart[1], carry.momentum)
+    carry = carry._replace(params=params, momentum=momentum)
+    if carry.window0 is not None:
+        carry = carry._replace(prefix=pick(carry.window0, carry.prefix))
+    if carry.at is not None:
+        carry = carry._replace(at=documents.choose(chunk.begins[:, 0, 0], params, carry.at))
+    cleared = lambda x: x.at[:, :, 0].set(False)
+    return carry, chunk._replace(starts=cleared(chunk.starts), begins=cleared(chunk.begins))
+
+
 def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, read, window):
     """One block of the online rule: token t's gradient at theta_{t-1} (``online.block_grads``).
     block: (B, H, C, ...) for C = ONLINE_BLOCK tokens. Returns (carry, o (B, H, C, d_out))."""
+    carry, block = at_chunk_start(carry, block)
     k, v, band, rows, prefix = window_samples(carry.prefix, block, window, carry.window0)
     seg = None if block.starts is None else documents.segments(block.begins, block.starts)
     coef = cc.coefficients(block.step_in, block.mom, block.keep, None, seg)

@@ -237,14 +237,16 @@ def _model_hyper(config, model, entry, slots, levels) -> dict[str, Any]:
 
 
 def document_grid(model: Mapping[str, Any], levels: Mapping[str, Level]) -> int:
-    """The positions a model's schedule counts from a row's start, not from each document's:
-    multiples of the shortest period of the levels learning from the outer loss (the CMS
-    spans, ``nested.core.outer_loss``) and of the memory-as-context segment (``model.window``
-    with ``mixer="context"``); 1 when none. A document starting on this grid runs as alone
-    (every other schedule restarts at any start), so the task ``tokens`` aligns documents to
-    it (its ``align``)."""
-    periods = [level.every for level in levels.values() if level.learns_outer_loss]
-    grid = min(periods, default=1)
+    """Where the documents of a packed row should start for the model: the least common
+    multiple of every fast level's update period (a chunked kernel then runs one base state a
+    chunk, not one per document and period inside it: ``nested.ops.documents``), the shortest
+    period of the levels learning from the outer loss (CMS spans, ``nested.core.outer_loss``)
+    and the memory-as-context segment (``model.window`` with ``mixer="context"``): those two
+    count from a row's start, so a document runs as if alone only when it starts on their
+    grid. 1 when none. The task ``tokens`` aligns documents to it (its ``align``)."""
+    inner = [level.every for level in levels.values() if not level.learns_outer_loss]
+    outer = [level.every for level in levels.values() if level.learns_outer_loss]
+    grid = math.lcm(1, *inner, min(outer, default=1))
     if model.get("mixer") == "context" and model.get("window"):
         grid = math.lcm(grid, model["window"])
     return grid
