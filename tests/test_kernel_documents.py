@@ -10,6 +10,8 @@ period divides one of them) and right after each other (a one-token document), s
 lengths are not multiples of any chunk.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -24,8 +26,9 @@ B, H, T = 2, 2, 70
 STARTS = ((5, 32, 45), (16, 17, 64))  # per batch row: positions where a document starts
 
 
-def context(level, seed=0):
-    """A random context (unit keys, activated gates) with the documents of STARTS."""
+def context(level, seed=0, positions=STARTS):
+    """A random context (unit keys, activated gates) with documents starting at ``positions``
+    (per row)."""
     keys = jax.random.split(jax.random.key(seed), 3 + len(level.gates))
     normal = lambda key, *dims: jax.random.normal(key, (B, T, H, *dims))
     gates = {
@@ -36,8 +39,8 @@ def context(level, seed=0):
     }
     k = normal(keys[0], level.memory.d_k)
     starts = np.zeros((B, T), bool)
-    for row, positions in enumerate(STARTS):
-        starts[row, list(positions)] = True
+    for row, row_starts in enumerate(positions):
+        starts[row, list(row_starts)] = True
     return inner.Context(
         k=k / jnp.linalg.norm(k, axis=-1, keepdims=True),
         v=normal(keys[1], level.memory.d_v),
@@ -74,10 +77,10 @@ def states(level):
     return state, filled(inner.initial_state(level, memories(level, 7)), 0.3)
 
 
-def alone(kernel, level, state, ctx):
+def alone(kernel, level, state, ctx, starts=STARTS):
     """The reference: every document of every row run alone through the kernel, no starts."""
     outputs, finals = [], []
-    for row, positions in enumerate(STARTS):
+    for row, positions in enumerate(starts):
         take = lambda tree: jax.tree.map(lambda x: x[row : row + 1], tree)
         current, pieces = take(state), []
         for i, (lo, hi) in enumerate(zip((0, *positions), (*positions, T), strict=True)):
@@ -94,11 +97,11 @@ def together(kernel, level, state, ctx):
     return kernel.run(level, state, ctx)
 
 
-def compare(kernel, level):
+def compare(kernel, level, positions=STARTS):
     """Outputs, final state and the gradients of a functional of both w.r.t. the context
     (k, v, q, gates), the first state and the documents' initial state."""
     state, initial = states(level)
-    ctx = context(level)._replace(initial=initial)
+    ctx = context(level, positions=positions)._replace(initial=initial)
     starts, ctx = ctx.starts, ctx._replace(starts=None)  # the arrays differentiated: no bools
 
     def gradient(path, ctx, state):
@@ -110,7 +113,8 @@ def compare(kernel, level):
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(ctx, state)
 
     # One program for both, values and gradients: compiling dominates these tests.
-    both = jax.jit(lambda *a: [gradient(path, *a) for path in (together, alone)])
+    paths = (together, functools.partial(alone, starts=positions))
+    both = jax.jit(lambda *a: [gradient(path, *a) for path in paths])
     (grads, outputs), (ref_grads, ref_outputs) = both(ctx, state)
     chex.assert_trees_all_close(outputs, ref_outputs, rtol=1e-8, atol=1e-11)
     chex.assert_trees_all_close(grads, ref_grads, rtol=1e-7, atol=1e-10)
@@ -121,6 +125,7 @@ DOCUMENTS = [kernel for kernel in kernels.KERNELS if kernel.documents]
 # machinery, and the second examples of the linear kernels their first's (the default suite
 # keeps the first example of every kernel, and the delta rule's chunk-boundary cases).
 NEURAL = next(kernel for kernel in DOCUMENTS if kernel.name == "neural_gradient_descent")
+ATLAS = next(kernel for kernel in DOCUMENTS if kernel.name == "atlas")
 SLOW = {(NEURAL.name, i) for i in range(1, len(NEURAL.examples()))}
 SLOW |= {("gdn2", 1), ("falcon", 0), ("delta_rule", 1)}
 SLOW |= {("gated_delta_rule", i) for i in range(2)}  # the delta rule's machinery, gated
@@ -140,6 +145,20 @@ EXAMPLES = [
 @pytest.mark.parametrize(("kernel", "index"), EXAMPLES)
 def test_documents_run_as_if_alone(kernel, index):
     compare(kernel, kernel.examples()[index])
+
+
+# Documents on the chunks' grid (multiples of 16: every chunk, update period and online block
+# of these examples divides it): the chunk ops' path without segments (chunk_scan.scan_documents).
+ON_GRID = [
+    pytest.param(NEURAL, 0, id="ttt-mini-batch"),
+    pytest.param(NEURAL, 3, id="titans-online"),
+    *(pytest.param(ATLAS, i, id=f"atlas-{i}", marks=pytest.mark.slow) for i in range(4)),
+]
+
+
+@pytest.mark.parametrize(("kernel", "index"), ON_GRID)
+def test_documents_on_the_chunk_grid_run_as_if_alone(kernel, index):
+    compare(kernel, kernel.examples()[index], positions=((32,), (16, 48)))
 
 
 @pytest.mark.parametrize("kernel", DOCUMENTS, ids=lambda kernel: kernel.name)

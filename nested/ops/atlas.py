@@ -82,7 +82,6 @@ def _muon_step(carry: cs.ScanCarry, chunk: cs.ChunkInputs, *, form, read, window
     (``chunk_coefficients``). chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_v)).
     With documents every segment (``nested.ops.documents``) runs from its own base, as in
     ``chunk_scan.by_segments``; the tokens' own states give the end state directly."""
-    carry, chunk = cs.at_chunk_start(carry, chunk)
     k, v, band, _, prefix = cs.window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
@@ -214,7 +213,7 @@ def atlas(
     if muon_steps:
         carry, seq = cs.with_documents(carry, seq, chunk_size=chunk_size, window=window)
         step = partial(_muon_step, form=form, read=read, window=window, steps=muon_steps)
-        o, final = cs.scan_chunks(step, carry, seq, chunk_size=chunk_size)
+        o, final = cs.scan_documents(step, carry, seq, chunk_size=chunk_size)
     else:
         o, final = cs.scan_rule(
             carry, seq, chunk_size=chunk_size, form=form, read=read, window=window

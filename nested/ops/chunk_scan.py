@@ -67,7 +67,6 @@ class ChunkInputs(NamedTuple):
     gate: Array | None = None  # g: Omega sample gates (None: one sample a token, weight 1)
     starts: Array | None = None  # where a document starts (None: one document)
     begins: Array | None = None  # where a segment begins: a document, or a period of one
-    offset: Array | None = None  # position within the document (Omega windows with documents)
 
 
 # Padding that makes a token a no-op of the rule: no step, retentions 1, no samples.
@@ -82,7 +81,6 @@ INERT = ChunkInputs(
     gate=0.0,
     starts=False,
     begins=False,
-    offset=documents.FIRST_DOCUMENT,
 )
 
 
@@ -118,21 +116,31 @@ def cast(tree, dtype):
 def window_samples(prefix: Samples | None, chunk: ChunkInputs, window: int, window0=None):
     """The samples (k, v) the chunk's losses use, their Omega band (None: one sample per
     token), the rows of each token's window in them ((C, window), or (B, 1, C, window) with
-    documents) and the prefix (last window - 1 samples) carried to the next chunk. With
-    documents (``chunk.offset``) and a window the samples are ``[window0; prefix; chunk]``: a
-    document's first tokens read the window it started with (``documents.window_rows``)."""
+    documents) and the window carried to the next chunk: the window - 1 samples before its
+    first token, in that token's document.
+
+    ``prefix`` is that window for this chunk's first token. With documents starting inside
+    the chunk (``chunk.starts``) the samples are ``[window0; prefix; chunk]``: a document's
+    first tokens read the window it started with (``documents.window_rows``)."""
     if chunk.gate is None:
         return chunk.k, chunk.v, None, None, prefix
-    rows = online.sample_rows(chunk.gate.shape[-1], window)
+    c = chunk.gate.shape[-1]
+    rows = online.sample_rows(c, window)
     if window == 1:
         return chunk.k, chunk.v, cc.window_band(chunk.gate, rows), rows, prefix
     samples = Samples(chunk.k, chunk.v, chunk.gate)
     k, v, g = (jnp.concatenate([p, x], axis=2) for p, x in zip(prefix, samples, strict=True))
-    tail = Samples(k[:, :, 1 - window :], v[:, :, 1 - window :], g[:, :, 1 - window :])
-    if chunk.offset is not None:
-        rows = documents.window_rows(chunk.offset, window)
-        k, v, g = (jnp.concatenate([w, x], axis=2) for w, x in zip(window0, (k, v, g), strict=True))
-    return k, v, cc.window_band(g, rows), rows, tail
+    if chunk.starts is None:
+        tail = Samples(k[:, :, 1 - window :], v[:, :, 1 - window :], g[:, :, 1 - window :])
+        return k, v, cc.window_band(g, rows), rows, tail
+    k, v, g = (jnp.concatenate([w, x], axis=2) for w, x in zip(window0, (k, v, g), strict=True))
+    # Each token's offset in its document if that began in this chunk (the next chunk's
+    # first token too), else FIRST_DOCUMENT: its window is in [prefix; chunk].
+    offset = documents.offsets(jnp.pad(chunk.starts[:, 0], [(0, 0), (0, 1)]))  # (B, C + 1)
+    rows = documents.window_rows(offset[:, None], window)  # (B, 1, C + 1, window)
+    take = lambda x, r: jnp.take_along_axis(x, r.reshape(*r.shape[:2], -1, *(1,) * (x.ndim - 3)), 2)
+    tail = Samples(*(take(x, rows[:, :, -1, :-1]) for x in (k, v, g)))
+    return k, v, cc.window_band(g, rows[:, :, :-1]), rows[:, :, :-1], tail
 
 
 def next_carry(
@@ -148,7 +156,8 @@ def next_carry(
         theta = A theta_s + c S_s - sum_i Gamma_i grad l_i,   S = P S_s - sum_i Lambda_i grad l_i,
 
     the coefficients' last rows, or with ``row`` (B,) those of token ``row``, the state after
-    it. The minus sign goes into the (N,) weights, not onto parameter-sized arrays."""
+    it (the carry's other fields kept). The minus sign goes into the (N,) weights, not onto
+    parameter-sized arrays."""
     params, momentum = carry.params, carry.momentum
     if row is None:
         last = lambda x: None if x is None else x[..., -1]
@@ -162,13 +171,13 @@ def next_carry(
     steps = mm.weighted_grads(-gamma, grads, params)
     if momentum is None:
         new_params = jax.tree.map(lambda p, g: mm.scale(base, p) + g, params, steps)
-        return ScanCarry(new_params, None, prefix)
+        return carry._replace(params=new_params, prefix=prefix)
     new_params = jax.tree.map(
         lambda p, s, g: mm.scale(base, p) + mm.scale(carry_c, s) + g, params, momentum, steps
     )
     steps = mm.weighted_grads(-lam, grads, params)
     new_momentum = jax.tree.map(lambda s, g: mm.scale(mom_base, s) + g, momentum, steps)
-    return ScanCarry(new_params, new_momentum, prefix)
+    return carry._replace(params=new_params, momentum=new_momentum, prefix=prefix)
 
 
 def minibatch_step(
@@ -177,7 +186,6 @@ def minibatch_step(
     """One chunk of the rule with every gradient at the chunk-start state (TTT-MLP, Titans,
     ATLAS without Muon), each sample's gradient clipped to norm ``clip`` (None: not clipped).
     chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
-    carry, chunk = at_chunk_start(carry, chunk)
     k, v, band, _, prefix = window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
     coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
@@ -223,8 +231,7 @@ def by_segments(run, carry: ScanCarry, seg, coef, theta, prefix: Samples | None 
     last = lambda a, b, c: documents.pick(seg.first, a, documents.pick(seg.second, b, c))
     params, momentum = last(state, mid, start)
     grads = last(first[0], second[0], later[0])
-    new = next_carry(ScanCarry(params, momentum, None), coef, theta, grads, prefix)
-    new = new._replace(restart=start, window0=carry.window0)
+    new = next_carry(carry._replace(params=params, momentum=momentum), coef, theta, grads, prefix)
     if carry.at is not None:
         new = new._replace(at=documents.pick(seg.first, at, params))
     return new, o
@@ -236,6 +243,28 @@ def needed(segment: Array, run: Callable):
     chunks' grid)."""
     zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
     return jax.lax.cond(jnp.any(segment), run, zeros)
+
+
+def scan_documents(step: Callable, carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int):
+    """``scan_chunks`` of ``step`` over a sequence of documents (``with_documents``): what
+    happens at a chunk's first token goes into the carry (``at_chunk_start``). Where every
+    document start and update period begin of the call falls on the chunks' grid (documents
+    aligned to it, as the task ``tokens`` lays them out), one scan of ``step`` without
+    segments: one base state a chunk, as without documents; else the scan with segments
+    (``lax.cond`` over the call)."""
+    if seq.starts is None:
+        return scan_chunks(step, carry, seq, chunk_size=chunk_size)
+    length = seq.starts.shape[1]
+    off_grid = (seq.starts[..., 0] | seq.begins[..., 0]) & (jnp.arange(length)[None] % chunk_size > 0)
+
+    def at_start(step, keep_segments):
+        def run(carry, chunk):
+            carry, chunk = at_chunk_start(carry, chunk)
+            return step(carry, chunk if keep_segments else chunk._replace(starts=None, begins=None))
+
+        return lambda carry, seq: scan_chunks(run, carry, seq, chunk_size=chunk_size)
+
+    return jax.lax.cond(jnp.any(off_grid), at_start(step, True), at_start(step, False), carry, seq)
 
 
 def at_chunk_start(carry: ScanCarry, chunk: ChunkInputs) -> tuple[ScanCarry, ChunkInputs]:
@@ -260,7 +289,6 @@ def at_chunk_start(carry: ScanCarry, chunk: ChunkInputs) -> tuple[ScanCarry, Chu
 def online_step(carry: ScanCarry, block: ChunkInputs, *, form: mm.MemoryForm, read, window):
     """One block of the online rule: token t's gradient at theta_{t-1} (``online.block_grads``).
     block: (B, H, C, ...) for C = ONLINE_BLOCK tokens. Returns (carry, o (B, H, C, d_out))."""
-    carry, block = at_chunk_start(carry, block)
     k, v, band, rows, prefix = window_samples(carry.prefix, block, window, carry.window0)
     seg = None if block.starts is None else documents.segments(block.begins, block.starts)
     coef = cc.coefficients(block.step_in, block.mom, block.keep, None, seg)
@@ -312,15 +340,15 @@ def scan_rule(
         **kwargs,
     )
     carry, seq = with_documents(carry, seq, chunk_size=chunk_size, window=window)
-    o, carry = scan_chunks(step, carry, seq, chunk_size=ONLINE_BLOCK if online_rule else chunk_size)
+    chunk = ONLINE_BLOCK if online_rule else chunk_size
+    o, carry = scan_documents(step, carry, seq, chunk_size=chunk)
     return o, carry._replace(at=None, restart=None, window0=None)
 
 
 def with_documents(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, window: int):
     """The carry and sequence a scan over documents needs (``seq.starts`` (B, T); unchanged
     without): where segments begin (every start, and with mini-batches of ``chunk_size`` the
-    running document's periods), each token's offset in its document (with a window) and the
-    mini-batch's gradient state ``at``."""
+    running document's periods) and the mini-batch's gradient state ``at``."""
     if seq.starts is None:
         return carry, seq
     if window > 1 and carry.window0 is None:
@@ -328,8 +356,7 @@ def with_documents(carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int, windo
     starts = seq.starts
     online_rule = chunk_size == 1
     begins = starts if online_rule else documents.period_begins(starts, chunk_size)
-    offset = documents.offsets(starts)[..., None] if window > 1 else None
-    seq = seq._replace(starts=starts[..., None], begins=begins[..., None], offset=offset)
+    seq = seq._replace(starts=starts[..., None], begins=begins[..., None])
     return (carry if online_rule else carry._replace(at=carry.params)), seq
 
 
