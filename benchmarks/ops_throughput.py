@@ -18,8 +18,9 @@ memory of width D, mini-batch 16; per token: the online rule).
 The cost of document boundaries (packed rows, ``nested.ops.documents``): the default path again
 with ``starts``, four documents a row of about T / 4 tokens whose lengths are no multiple of a
 chunk (the gradient also w.r.t. the state they start from), timed in turns with the same path
-without starts, and the median ratio of their times (``--no-documents``: skipped; Falcon-3's
-window has no document path, n/a).
+without starts, and the median ratio of their times; then with the documents on the grid of 64
+tokens (every chunk and mini-batch here divides it), as the task ``tokens`` lays them out
+(``--no-documents``: skipped; Falcon-3's window has no document path, n/a).
 The tables go into this benchmark's section of benchmarks/README.md (``--no-write``: printed only).
 """
 
@@ -53,6 +54,7 @@ def make_inputs(t, seed=0):
         "write": jax.nn.sigmoid(normal(B, t, H, D)),
         "log_decay": -jax.nn.softplus(normal(B, t, H, D) - 2.0),
         "starts": document_starts(t),
+        "starts_on_grid": document_starts(t, grid=64),
         "start_state": 0.1 * normal(B, H, D, D),
         "lr": 0.1 * jax.nn.sigmoid(gate[..., 3]),
         "momentum": jax.nn.sigmoid(gate[..., 4]),
@@ -67,12 +69,15 @@ def mlp(key):
     return ops.init_mlp_memory(key, batch=B, heads=H, d_in=D, d_out=D, hidden=D)
 
 
-def document_starts(t):
+def document_starts(t, grid=None):
     """(B, T) bool: documents of about t / 4 tokens, shifted by a few tokens row by row so that
-    no length is a multiple of a chunk."""
+    no length is a multiple of a chunk; with ``grid``, at multiples of it (shifted by a grid
+    step row by row)."""
     starts = np.zeros((B, t), bool)
     for row in range(B):
         positions = [j * t // 4 + 3 * row + 5 for j in range(1, 4)]
+        if grid is not None:
+            positions = [(j * t // 4 // grid + row) * grid for j in range(1, 4)]
         starts[row, [p for p in positions if 0 < p < t]] = True
     return jnp.asarray(starts)
 
@@ -166,16 +171,16 @@ OPS = {
 }
 
 
-def gradient(op, names, inputs, chunk, start=None):
+def gradient(op, names, inputs, chunk, start=None, starts="starts"):
     """The compiled forward+backward pass and its argument: the gradient of ``sum(o) +
-    sum(final_state)`` w.r.t. the inputs ``names`` (and with documents, the input ``start``
-    they start from)."""
+    sum(final_state)`` w.r.t. the inputs ``names`` (and with documents, where the input
+    ``starts`` says, the input ``start`` they start from)."""
     names = names if start is None else (*names, start)
     rest = {n: x for n, x in inputs.items() if n not in names}
 
     def loss(diff):
         a = {**rest, **diff}
-        keywords = {} if start is None else {"starts": a["starts"], "start_state": a[start]}
+        keywords = {} if start is None else {"starts": a[starts], "start_state": a[start]}
         o, state = op(a, chunk, **keywords)
         return jnp.sum(o) + sum(jnp.sum(x) for x in jax.tree.leaves(state))
 
@@ -192,13 +197,16 @@ def measure(op, names, inputs, chunk, runs):
 
 
 def measure_documents(op, names, start, inputs, runs):
-    """(tokens/s with starts, median time ratio with / without starts) of the default path,
-    the two programs timed in turns (the same machine load)."""
+    """(tokens/s with starts, median time ratio with / without starts, the same with the starts
+    on the grid) of the default path, the three programs timed in turns (the same load)."""
     plain, diff = gradient(op, names, inputs, None)
     packed, packed_diff = gradient(op, names, inputs, None, start)
-    turns = timing.paired_seconds((lambda: plain(diff), lambda: packed(packed_diff)), (), runs)
-    seconds = float(np.median([t for _, t in turns]))
-    return B * inputs["q"].shape[1] / seconds, float(np.median([t / s for s, t in turns]))
+    grid, grid_diff = gradient(op, names, inputs, None, start, starts="starts_on_grid")
+    calls = (lambda: plain(diff), lambda: packed(packed_diff), lambda: grid(grid_diff))
+    turns = timing.paired_seconds(calls, (), runs)
+    seconds = float(np.median([t for _, t, _ in turns]))
+    ratio = lambda i: float(np.median([times[i] / times[0] for times in turns]))
+    return B * inputs["q"].shape[1] / seconds, ratio(1), ratio(2)
 
 
 def main():
@@ -217,7 +225,7 @@ def main():
     out.print(f"B={B}, H={H}, d_k=d_v={D}, float32, forward+backward\n")
     header = ["op", "T", "default tok/s", "per-token tok/s", "default / per-token"]
     if not args.no_documents:
-        header += ["with starts tok/s", "time with / without starts"]
+        header += ["with starts tok/s", "time with / without starts", "on the grid / without"]
     header += [f"C={c} tok/s" for c in args.chunks]
     header += ["default temp MiB", "per-token temp MiB"]
     out.print("| " + " | ".join(header) + " |")
@@ -235,10 +243,10 @@ def main():
                 slow, slow_mem = measure(op, names, inputs, 1, args.runs)
             row = [name, str(t), f"{fast:,.0f}", f"{slow:,.0f}", f"{fast / slow:.1f}x"]
             if not args.no_documents:
-                row += ["n/a", "n/a"]
+                row += ["n/a", "n/a", "n/a"]
                 if start is not None:
-                    packed, cost = measure_documents(op, names, start, inputs, args.runs)
-                    row[-2:] = [f"{packed:,.0f}", f"{cost:.2f}x"]
+                    packed, cost, aligned = measure_documents(op, names, start, inputs, args.runs)
+                    row[-3:] = [f"{packed:,.0f}", f"{cost:.2f}x", f"{aligned:.2f}x"]
             row += [f"{rate:,.0f}" for rate in swept]
             row += [f"{fast_mem:.0f}", f"{slow_mem:.0f}"]
             out.print("| " + " | ".join(row) + " |")
