@@ -254,8 +254,8 @@ def scan_documents(step: Callable, carry: ScanCarry, seq: ChunkInputs, *, chunk_
     (``lax.cond`` over the call)."""
     if seq.starts is None:
         return scan_chunks(step, carry, seq, chunk_size=chunk_size)
-    length = seq.starts.shape[1]
-    off_grid = (seq.starts[..., 0] | seq.begins[..., 0]) & (jnp.arange(length)[None] % chunk_size > 0)
+    inside = jnp.arange(seq.starts.shape[1])[None] % chunk_size > 0  # not a chunk's first token
+    off_grid = (seq.starts[..., 0] | seq.begins[..., 0]) & inside
 
     def at_start(step, keep_segments):
         def run(carry, chunk):
