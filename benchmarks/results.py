@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,7 +60,7 @@ flags.DEFINE_list(
     "sections",
     None,
     "Rewrite only these sections of --out (plasticity, companion, lm, frequencies, "
-    "frequencies_disjoint, frequencies_review), keeping the rest of the page.",
+    "frequencies_disjoint, frequencies_review, frequencies_load), keeping the rest of the page.",
 )
 SECTIONS = {
     "plasticity": "Functional plasticity",
@@ -68,6 +69,7 @@ SECTIONS = {
     "frequencies": "Multi-frequency memory and forgetting",
     "frequencies_disjoint": "Multi-frequency memory on disjoint keys",
     "frequencies_review": "Multi-frequency memory with review queries",
+    "frequencies_load": "Multi-frequency memory at a load one head holds",
 }
 
 
@@ -178,7 +180,7 @@ def rows(widths: Sequence[int]) -> list[Row]:
                     )
                 )
     for model in LM_MODELS:
-        overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS), LM_ALIGN)
+        overrides = (("task.path", LM_CORPUS), ("train.steps", LM_STEPS), LM_DOCUMENTS)
         out.append(Row(f"lm/{model}", f"configs/lm.py:{model}-small", overrides, after=(EVAL_LM,)))
     return out
 
@@ -256,9 +258,9 @@ LM_PREPARE = (
     "--vocab_size=8192",
     "--val_fraction=0.05",
 )
-# Every model reads the same batches: documents aligned to Hope's grid (its shortest CMS
-# period, nested.run.config.document_grid), where every model runs each document as alone.
-LM_ALIGN = ("task.align", 16)
+# Documents packed without restarts (as flame trains by default): with restarts, even on
+# its grid, Hope no longer trains within the 30 minutes a row may take here.
+LM_DOCUMENTS = ("task.documents", False)
 LM_STEPS = 120  # Hope, the slowest, takes about 14 s a step here: 28 minutes
 
 
@@ -643,9 +645,9 @@ def _kept(R: np.ndarray, A: np.ndarray) -> float:
 def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]]:
     """One stream's table of the multi-frequency models (``_by_model``; the stream's config
     ``overrides``): its lines with the verdicts after it, the per-seed intervals, the
-    commands."""
+    commands. "train wall": the training command's wall time, mean over the seeds."""
     metric = "memory_accuracy"
-    head = ["model", "slow params", "carried bytes", "seeds", "ACC", "BWT", "FWT"]
+    head = ["model", "slow params", "carried bytes", "seeds", "train wall", "ACC", "BWT", "FWT"]
     head += ["forgetting (max)", "old values kept", "in-context ACC"]
     head += ["task 0 after 1 / 2 / 3 later tasks"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -655,7 +657,7 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
     A = None if settings is None else _tracking(settings, overrides)
     if A is not None:
         ideal = transfer.summary(A, np.zeros(len(A)))
-        cells = ["current-mapping tracker (ideal)", "", "", ""]
+        cells = ["current-mapping tracker (ideal)", "", "", "", ""]
         cells += [f"{100 * ideal[k]:.1f}" for k in ("average_accuracy", "backward_transfer")]
         cells += [f"{100 * ideal['forward_transfer']:.1f}", f"{100 * ideal['forgetting_max']:.1f}"]
         cells += ["0.0", "", " / ".join(f"{100 * v:.1f}" for v in A[1:, 0])]
@@ -663,6 +665,7 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
     details, commands, figures = [], [], {}
     for model, runs in models.items():
         done = [result for _, result in runs if result is not None and "transfer" in result]
+        walls = [record["wall_s"] for record, r in runs if r is not None and "transfer" in r]
         failed = [_failed(record, result) for record, result in runs if result is None]
         if not done:
             lines.append(f"| {model} | {failed[0] if failed else '—'} |" + " |" * (len(head) - 2))
@@ -682,6 +685,7 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
             f"{spent['slow_parameters']:,}",
             f"{spent['carried_bytes']:,}",
             str(len(done)),
+            f"{np.mean(walls):.0f} s",
             _over_seeds(get("average_accuracy")),
             _over_seeds(get("backward_transfer")),
             _over_seeds(get("forward_transfer"), spread=False),
@@ -732,15 +736,10 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
     return [*lines, "", *verdict], details, commands
 
 
-def frequencies_section(results, workdir: Path) -> list[str]:
-    """The "Multi-frequency memory and forgetting" section's lines: the shared-key stream's
-    table with its level ablation."""
-    models = _by_model(results, workdir, "frequencies")
-    table, details, commands = _frequency_table(models, FREQUENCY_STREAMS["frequencies"][1])
-    ablation = _ablation(models, workdir)
-    return [
-        "## Multi-frequency memory and forgetting",
-        "",
+# What each multi-frequency stream's section says before its table.
+_DISJOINT_FLAGS = " ".join(f"`--config.{k}={v}`" for k, v in DISJOINT)
+STREAM_INTROS = {
+    "frequencies": (
         "Do memories updated at several frequencies forget less than one fast memory? Models of "
         "`configs/continual.py` trained on agents as in the section above, each with the same "
         "DeltaNet memory carried across sequences (two heads of 32 x 32 on one layer): "
@@ -764,92 +763,59 @@ def frequencies_section(results, workdir: Path) -> list[str]:
         "of task j's keys task i left unchanged, computed from the agents' mappings). 'Old "
         "values kept' is what no tracker scores: the mean over earlier tasks of R[i, j] - "
         "A[i, j] R[j, j] (A the tracker's matrix), the answers on keys whose value changed "
-        "since, which only a memory of the old values gives.",
-        "",
-        *table,
-        *details,
-        "",
-        *ablation,
-        *commands,
-        "",
-    ]
-
-
-def frequencies_disjoint_section(results, workdir: Path) -> list[str]:
-    """The "Multi-frequency memory on disjoint keys" section's lines (none until one of its
-    rows is measured)."""
-    models = _by_model(results, workdir, "frequencies_disjoint")
-    if not models:
-        return []
-    table, details, commands = _frequency_table(models, DISJOINT)
-    flags = " ".join(f"`--config.{k}={v}`" for k, v in DISJOINT)
-    load = _by_model(results, workdir, "frequencies_load")
-    load_part = []
-    if load:
-        load_table, load_details, load_commands = _frequency_table(load, LOAD)
-        load_part = [
-            "### At a load one head holds",
-            "",
-            "The disjoint stream with 8 keys a task and 4 of them presented a sequence "
-            "(`--config.task.num_keys=8` `--config.task.num_pairs=4`): the four tasks' 32 pairs "
-            "are what one 32 x 32 head stores without interference, so a memory that loses "
-            "them here does so by its learned gates and steps, not for want of room.",
-            "",
-            *load_table,
-            *load_details,
-            "",
-            *load_commands,
-            "",
-        ]
-    return [
-        f"## {SECTIONS['frequencies_disjoint']}",
-        "",
+        "since, which only a memory of the old values gives."
+    ),
+    "frequencies_disjoint": (
         "The same models, training and deployment on the stream whose every task has keys of "
-        f"its own (`task.disjoint_keys`: {flags}; 4 tasks of 32 keys): no later task changes "
-        "an earlier task's answers, so a memory that kept every pair would score R[i, j] = "
+        f"its own (`task.disjoint_keys`: {_DISJOINT_FLAGS}; 4 tasks of 32 keys): no later "
+        "task changes an earlier task's answers, so a memory that kept every pair would score "
+        "R[i, j] = "
         "R[j, j] (BWT 0) and whatever is lost is interference in the model's own state. The "
         "tracker of the current mapping recalls no earlier task here (its R is the identity), "
-        "so 'old values kept' is the mean from-memory accuracy on earlier tasks.",
-        "",
-        *table,
-        *details,
-        "",
-        *_ablation(models, workdir, "frequencies_disjoint"),
-        *_switch(models, workdir, "frequencies_disjoint"),
-        *commands,
-        "",
-        *load_part,
-    ]
-
-
-def frequencies_review_section(results, workdir: Path) -> list[str]:
-    """The "Multi-frequency memory with review queries" section's lines (none until one of
-    its rows is measured)."""
-    review = _by_model(results, workdir, "frequencies_review")
-    if not review:
-        return []
-    review_table, review_details, review_commands = _frequency_table(review, REVIEW)
-    return [
-        f"## {SECTIONS['frequencies_review']}",
-        "",
+        "so 'old values kept' is the mean from-memory accuracy on earlier tasks."
+    ),
+    "frequencies_review": (
         "The stream of the section above with the last 4 of the 8 training queries of every "
         "sequence on keys of the tasks the agent met earlier (`--config.task.review_queries=4`), "
         "so the training loss rewards keeping them; deployment and R as above (eval batches "
         "have no review queries). `consolidate_1_32_lr<value>`: consolidate_1_32 with the "
         "slow head's step size fixed at the value (`--config.levels.slow.lr`) instead of the "
-        "gate beta_t the outer loop learns. One training seed.",
+        "gate beta_t the outer loop learns. One training seed."
+    ),
+    "frequencies_load": (
+        "The disjoint stream with 8 keys a task and 4 of them presented a sequence "
+        "(`--config.task.num_keys=8` `--config.task.num_pairs=4`): the four tasks' 32 pairs "
+        "are what one 32 x 32 head stores without interference, so a memory that loses them "
+        "here does so by its learned gates and steps, not for want of room. Deployment and R "
+        "as in the disjoint section."
+    ),
+}
+
+
+def frequency_section(results, workdir: Path, stream: str) -> list[str]:
+    """A multi-frequency stream's section (:data:`FREQUENCY_STREAMS`): its introduction, the
+    table of its rows with the seeds' details, the level ablation, the alignment over a task
+    switch and the commands (none until one of its rows is measured)."""
+    models = _by_model(results, workdir, stream)
+    if not models:
+        return []
+    table, details, commands = _frequency_table(models, FREQUENCY_STREAMS[stream][1])
+    return [
+        f"## {SECTIONS[stream]}",
         "",
-        *review_table,
-        *review_details,
+        STREAM_INTROS[stream],
         "",
-        *_ablation(review, workdir, "frequencies_review"),
-        *_switch(review, workdir, "frequencies_review"),
-        *review_commands,
+        *table,
+        *details,
+        "",
+        *_ablation(models, workdir, stream),
+        *_switch(models, workdir, stream),
+        *commands,
         "",
     ]
 
 
-def _ablation(models, workdir: Path, stream: str = "frequencies") -> list[str]:
+def _ablation(models, workdir: Path, stream: str) -> list[str]:
     """Where retention lives: the first seed of each multi-level model of ``stream`` deployed
     again with one level restarted after every phase (``plasticity_reset_<level>.json``, when
     measured)."""
@@ -1117,10 +1083,10 @@ def lm_section(results, workdir: Path) -> list[str]:
         f"`{' '.join(LM_PREPARE)}` (a byte-level BPE of 8192 trained on the corpus; 5% of the "
         "files held out by hash). Each model is `configs/lm.py`'s `small` size (4 blocks of "
         "width 256, parameters within 10% of the Transformer++'s), trained on the same "
-        f"{LM_STEPS} batches of 16 x 256 tokens in the same order (every fast level restarts "
-        "at each document start; documents begin at multiples of 16, Hope's shortest CMS "
-        f"period, `{LM_ALIGN[0]}={LM_ALIGN[1]}`, so each model computes on every document what "
-        "it computes on the document alone; the pads are not scored), then scored by "
+        f"{LM_STEPS} batches of 16 x 256 tokens in the same order (documents packed without "
+        f"restarts, `{LM_DOCUMENTS[0]}={LM_DOCUMENTS[1]}`: with a restart at every document "
+        "start Hope, the slowest, no longer trains within the 30 minutes a run has here), "
+        "then scored by "
         "`experiments/eval_lm.py` on every held-out token: loss (nats per token), perplexity, "
         "bits per byte (comparable across tokenizers), and perplexity by position in windows "
         "of 1024 from a fresh state: positions past 255 are beyond the trained length.",
@@ -1261,9 +1227,11 @@ def markdown(results, workdir: Path, row_notes: dict[str, str], observations: st
         *continual_table(results, workdir),
         "",
         *plasticity_section(results, workdir),
-        *frequencies_section(results, workdir),
-        *frequencies_disjoint_section(results, workdir),
-        *frequencies_review_section(results, workdir),
+        *(
+            line
+            for stream in FREQUENCY_STREAMS
+            for line in frequency_section(results, workdir, stream)
+        ),
         *companion_section(results, workdir),
         *lm_section(results, workdir),
     ]
@@ -1308,9 +1276,7 @@ def main(argv):
                 "plasticity": plasticity_section,
                 "companion": companion_section,
                 "lm": lm_section,
-                "frequencies": frequencies_section,
-                "frequencies_disjoint": frequencies_disjoint_section,
-                "frequencies_review": frequencies_review_section,
+                **{s: partial(frequency_section, stream=s) for s in FREQUENCY_STREAMS},
             }[name]
             section = "\n".join(build(results, base)).strip() + "\n\n"
             title = re.escape(SECTIONS[name])

@@ -24,7 +24,9 @@ Document ids ``documents (B, T)`` (packed rows): the model gets each span's ids,
 layer-local state restarts at a start inside the span, and the blocks' reads of a document
 starting inside a span use their initial parameters. Where a span's first token starts a
 document, the whole fast state restarts before the span; where a document starts later in a
-span, the outer-loss levels restart (tick 0) before the next one. So a packed row equals its
+span, the outer-loss levels restart (tick 0) before the next one; a call in which no
+document starts after a span's first token runs the model without ids (one ``lax.cond``: the
+restarts before spans are all it needs). So a packed row equals its
 documents run alone when they start at multiples of the shortest period ``w``, as the task
 ``tokens`` lays them out (its ``align``, set to the model's grid: ``nested.run.config.
 document_grid``); elsewhere their periods count from the row's start.
@@ -32,6 +34,7 @@ document_grid``); elsewhere their periods count from the row's start.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -132,8 +135,7 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
         fresh_fast = model.initial_fast(B)
         fresh = jax.tree.flatten(fresh_fast, is_leaf=is_state)[0]
 
-    @jax.checkpoint
-    def step(fast, span):
+    def step(fast, span, packed: bool):
         if documents:
             fast = inner.select_rows(span["first"], fresh_fast, fast)
         leaves, treedef = jax.tree.flatten(fast, is_leaf=is_state)
@@ -148,7 +150,7 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             for i, params in zip(index, memory_params, strict=True):
                 current[i] = current[i].replace(params=params)
             current = jax.tree.unflatten(treedef, current)
-            if documents:
+            if packed:
                 return model(span["inputs"], current, documents=span["documents"])
             return model(span["inputs"], current)
 
@@ -169,6 +171,13 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)
         return jax.tree.unflatten(treedef, new_leaves), logits
 
-    with probes.repeated("the model runs period by period for outer-loss levels (a scan)"):
-        fast, logits = jax.lax.scan(step, fast, spans)
+    def scan(packed: bool):
+        with probes.repeated("the model runs period by period for outer-loss levels (a scan)"):
+            return jax.lax.scan(jax.checkpoint(partial(step, packed=packed)), fast, spans)
+
+    if documents:  # spans in which no document starts after the first token run without ids
+        inside = jnp.any(starts[:, :, 1:])
+        fast, logits = jax.lax.cond(inside, lambda: scan(True), lambda: scan(False))
+    else:
+        fast, logits = scan(False)
     return jnp.moveaxis(logits, 0, 1).reshape(B, T, -1), fast

@@ -208,8 +208,10 @@ class SelfModifyingLayer(nnx.Module):
 
         if starts is None:
             return on_the_row_grid()
-        # a call in which no document starts runs as one without documents
         documents = lambda: self._by_documents(x, state, starts, items, cache, chunks, scan)
+        if probes.any_active():
+            return documents()
+        # a call in which no document starts runs as one without documents
         return jax.lax.cond(jnp.any(starts), documents, on_the_row_grid)
 
     def _by_documents(self, x, state, starts, items, cache, chunks, scan):
