@@ -867,9 +867,11 @@ def _switch(models, workdir: Path, stream: str) -> list[str]:
             continue
         for level, old in switch["old_task"]["levels"].items():
             new = switch["new_task"]["levels"][level]
-            cells = [f"{f['cos_update']:.3f}" for f in (new, old)]
-            cells += [f"{f['total_update']:.3g}" for f in (new, old)]
-            cells += [f"{f['conflict_update']:.2f}" for f in (new, old)]
+            shown_as = lambda key, spec: [  # None: the level made no update in the batch
+                "—" if f[key] is None else format(f[key], spec) for f in (new, old)
+            ]
+            cells = shown_as("cos_update", ".3f") + shown_as("total_update", ".3g")
+            cells += shown_as("conflict_update", ".2f")
             lines.append(f"| {model} | {level} | " + " | ".join(cells) + " |")
         if figure is None and (run / "plasticity_switch.png").exists():
             figure = ROOT / figure_path
