@@ -185,26 +185,17 @@ def run(level: Level, state: LevelState, ctx: Context, *, path: str = "auto"):
 
     ``path``: ``"auto"`` (a kernel implementing the declaration, else the generic loop),
     ``"kernel"`` (a kernel or an error) or ``"generic"``; with document starts in ``ctx``,
-    only kernels that implement them count (:func:`kernel_for`), and a call in which no row
-    has a start runs the path without them. The final state keeps the
+    only kernels that implement them count (:func:`kernel_for`). The final state keeps the
     dtypes of ``state`` (the context may compute in another one). A probe selecting the level
     (:func:`nested.core.probes.active`) runs it instead, whatever ``path``.
     """
     kernel = kernel_for(level, path, documents=ctx.starts is not None)
     check_context(level, ctx)
-    runner = lambda kernel: run_generic if kernel is None else kernel.run
     probe = probes.active(level)
     if probe is not None:
         o, new = probe.run(level, state, ctx)
-    elif ctx.starts is None:
-        o, new = runner(kernel)(level, state, ctx)
-    else:  # a call in which no document starts runs as one without documents (lax.cond)
-        documents = lambda: runner(kernel)(level, state, ctx)
-        alike = lambda tree: jax.tree.map(lambda x, y: x.astype(y.dtype), tree, shapes)
-        plain = ctx._replace(starts=None, initial=None)
-        shapes = jax.eval_shape(documents)
-        one = lambda: alike(runner(kernel_for(level, path))(level, state, plain))
-        o, new = jax.lax.cond(jnp.any(ctx.starts), documents, one)
+    else:
+        o, new = (run_generic if kernel is None else kernel.run)(level, state, ctx)
     return o, jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
 
 

@@ -61,12 +61,6 @@ def active(level) -> Probe | None:
     return probe
 
 
-def any_active() -> bool:
-    """Whether a probe is active: code choosing a path by ``lax.cond`` takes the general one
-    then, as a probe keeps values of the trace it runs in (a branch's would escape it)."""
-    return _ACTIVE.get() is not None
-
-
 @contextlib.contextmanager
 def repeated(why: str) -> Iterator[None]:
     """Mark the block as the body of a scan of the model (``why`` says which), where probes

@@ -191,8 +191,7 @@ class SelfModifyingLayer(nnx.Module):
         )
         items = {"x": x, "gates": gates}
         scan = lambda carry, xs: jax.lax.scan(jax.checkpoint(self._period), carry, xs)
-
-        def on_the_row_grid():  # periods from the row's start (no document starts)
+        if starts is None:
             full = T // C * C
             outputs, carry = [], (state["projections"], cache, None)
             with probes.repeated("Hope's projection periods (a scan over chunks)"):
@@ -205,20 +204,6 @@ class SelfModifyingLayer(nnx.Module):
                 carry, (kvq, _) = self._period(carry, jax.tree.map(lambda a: a[:, full:], items))
                 outputs.append(kvq)
             return jnp.concatenate(outputs, axis=1), carry[0]
-
-        if starts is None:
-            return on_the_row_grid()
-        documents = lambda: self._by_documents(x, state, starts, items, cache, chunks, scan)
-        if probes.any_active():
-            return documents()
-        # a call in which no document starts runs as one without documents
-        return jax.lax.cond(jnp.any(starts), documents, on_the_row_grid)
-
-    def _by_documents(self, x, state, starts, items, cache, chunks, scan):
-        """:meth:`_projections` with document ``starts`` (module docstring)."""
-        B, T, dim = x.shape
-        C = self.projections.every
-        gates = items["gates"]
         padded = -(-T // C) * C
         pad = lambda a: jnp.pad(a, [(0, 0), (0, padded - T)] + [(0, 0)] * (a.ndim - 2))
         schedule = _schedule(starts, C, padded)
