@@ -101,6 +101,7 @@ def synthetic_batches(exp, batch_size: int, steps: int, seed: int = 0) -> list[d
             tokens[:, :-1], tokens[:, 1:], np.ones((batch_size, T), np.float32), **extras
         )
         arrays = data.as_arrays(batch, extras=data.STREAM_EXTRAS)
+        exp.program.check_batch(arrays)  # the start lies on the program's document grid
         out.append({k: v[None] for k, v in arrays.items()})
     return out
 

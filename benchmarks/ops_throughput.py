@@ -19,8 +19,10 @@ The cost of document boundaries (packed rows, ``nested.ops.documents``): the def
 with ``starts``, four documents a row of about T / 4 tokens whose lengths are no multiple of a
 chunk (the gradient also w.r.t. the state they start from), timed in turns with the same path
 without starts, and the median ratio of their times; then with the documents on the grid of 64
-tokens (every chunk and mini-batch here divides it), as the task ``tokens`` lays them out
-(``--no-documents``: skipped; Falcon-3's window has no document path, n/a).
+tokens (every chunk and mini-batch here divides it), as the task ``tokens`` lays them out, and
+declared so (``nested.ops.documents.on_grid``, as a program compiled with the task's grid
+does): the ops restart at chunk starts and run without segments (``--no-documents``: skipped;
+Falcon-3's window has no document path, n/a).
 The tables go into this benchmark's section of benchmarks/README.md (``--no-write``: printed only).
 """
 
@@ -33,8 +35,10 @@ import report
 import timing
 
 from nested import ops
+from nested.ops import documents
 
 B, H, D = 4, 4, 64
+GRID = 64  # the grid of the aligned documents: every chunk and mini-batch here divides it
 
 
 def make_inputs(t, seed=0):
@@ -54,7 +58,7 @@ def make_inputs(t, seed=0):
         "write": jax.nn.sigmoid(normal(B, t, H, D)),
         "log_decay": -jax.nn.softplus(normal(B, t, H, D) - 2.0),
         "starts": document_starts(t),
-        "starts_on_grid": document_starts(t, grid=64),
+        "starts_on_grid": document_starts(t, grid=GRID),
         "start_state": 0.1 * normal(B, H, D, D),
         "lr": 0.1 * jax.nn.sigmoid(gate[..., 3]),
         "momentum": jax.nn.sigmoid(gate[..., 4]),
@@ -171,10 +175,10 @@ OPS = {
 }
 
 
-def gradient(op, names, inputs, chunk, start=None, starts="starts"):
+def gradient(op, names, inputs, chunk, start=None, starts="starts", grid=1):
     """The compiled forward+backward pass and its argument: the gradient of ``sum(o) +
     sum(final_state)`` w.r.t. the inputs ``names`` (and with documents, where the input
-    ``starts`` says, the input ``start`` they start from)."""
+    ``starts`` says, the input ``start`` they start from, declared on ``grid``)."""
     names = names if start is None else (*names, start)
     rest = {n: x for n, x in inputs.items() if n not in names}
 
@@ -185,7 +189,8 @@ def gradient(op, names, inputs, chunk, start=None, starts="starts"):
         return jnp.sum(o) + sum(jnp.sum(x) for x in jax.tree.leaves(state))
 
     diff = {n: inputs[n] for n in names}
-    return jax.jit(jax.grad(loss)).lower(diff).compile(), diff
+    with documents.on_grid(grid):
+        return jax.jit(jax.grad(loss)).lower(diff).compile(), diff
 
 
 def measure(op, names, inputs, chunk, runs):
@@ -201,7 +206,7 @@ def measure_documents(op, names, start, inputs, runs):
     on the grid) of the default path, the three programs timed in turns (the same load)."""
     plain, diff = gradient(op, names, inputs, None)
     packed, packed_diff = gradient(op, names, inputs, None, start)
-    grid, grid_diff = gradient(op, names, inputs, None, start, starts="starts_on_grid")
+    grid, grid_diff = gradient(op, names, inputs, None, start, "starts_on_grid", GRID)
     calls = (lambda: plain(diff), lambda: packed(packed_diff), lambda: grid(grid_diff))
     turns = timing.paired_seconds(calls, (), runs)
     seconds = float(np.median([t for _, t, _ in turns]))

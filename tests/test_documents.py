@@ -22,7 +22,7 @@ from nested.data.tokens import align_documents, document_ids
 from nested.nn.attention import SlidingWindowAttention
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
-from nested.ops import kernels
+from nested.ops import documents, kernels
 
 # Document lengths of each row (B = 2 rows of T = 10), none a multiple of the chunks below.
 DOCUMENTS = ((4, 6), (2, 5, 3))
@@ -177,7 +177,7 @@ def test_a_context_with_half_of_the_document_fields_is_refused():
 VOCAB, DIM, HEADS = 11, 8, 2
 
 
-def program(mixer, level, *, projections=None, cms=(), **kwargs):
+def program(mixer, level, *, projections=None, cms=(), document_grid=1, **kwargs):
     def model(rngs):
         return MemoryLM(
             level,
@@ -203,7 +203,8 @@ def program(mixer, level, *, projections=None, cms=(), **kwargs):
     owners = {level.name: "backbone" for level in fast}
     if projections is not None:
         owners[level.name] = projections.name
-    return nl.compile(nl.NestedSystem([backbone, *fast], owners=owners))
+    system = nl.NestedSystem([backbone, *fast], owners=owners)
+    return nl.compile(system, document_grid=document_grid)
 
 
 def cms_levels(periods):
@@ -286,13 +287,36 @@ def test_hybrid_mixers_restart_at_document_starts(mixer, rule, kwargs):
 
 
 @pytest.mark.slow
-def test_memory_as_context_restarts_at_document_starts_on_segment_boundaries():
+@pytest.mark.parametrize("grid", [1, 4])  # 4: declared, segments of 4 run without segments
+def test_memory_as_context_restarts_at_document_starts_on_segment_boundaries(grid):
     level = nl.recipes.titans(d_k=4, d_v=4, every=2, hidden=4)
-    compare_model(program("context", level, window=4, persistent=2), ((4, 8), (8, 4)))
+    prog = program("context", level, window=4, persistent=2, document_grid=grid)
+    compare_model(prog, ((4, 8), (8, 4)))
+
+
+def test_a_program_declared_on_a_grid_runs_documents_alone_and_refuses_others(monkeypatch):
+    """``document_grid=4``: CMS spans of 4 and a delta rule of 4-token chunks see starts only
+    at their first tokens (the model runs without ids, the op without segments), exact; a
+    batch with a start off the grid is refused on the host."""
+    monkeypatch.setattr(documents, "segments", lambda *a: pytest.fail("segments built"))
+    level = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS, chunk=4)
+    prog = program("memory", level, cms=cms_levels((4,)), document_grid=4)
+    compare_model(prog, ((4, 8), (8, 4)))
+    params = prog.init(jax.random.key(0)).params
+    inputs = jnp.zeros((B, T), jnp.int32)
+    with pytest.raises(
+        ValueError,
+        match=r"apply: a document starts at position 2 of row 0, off the program.s document_grid=4",
+    ):
+        prog.apply(params, inputs, documents=documents_of(((2, 2, 6), (4, 6))))
+    batch = {"inputs": inputs, "targets": inputs, "documents": documents_of()}
+    with pytest.raises(ValueError, match=r"batch: a document starts at position 2 of row 1"):
+        prog.loss(params, batch)
 
 
 @pytest.mark.slow
-def test_hope_with_cms_on_documents_aligned_to_its_grid_runs_each_as_alone():
+@pytest.mark.parametrize("grid", [1, 4])  # 4: declared (the task's align), CMS spans without ids
+def test_hope_with_cms_on_documents_aligned_to_its_grid_runs_each_as_alone(grid):
     """The task's alignment (``nested.data.tokens.align_documents``: documents at multiples of
     the shortest CMS period, 4, after EOS pads that stay in the document they end) makes Hope
     with CMS exact; the projections' period is exact on any grid
@@ -304,9 +328,10 @@ def test_hope_with_cms_on_documents_aligned_to_its_grid_runs_each_as_alone():
     assert all(len(row) > 2 for row in lengths)
     level = nl.recipes.delta(d_k=DIM // HEADS, d_v=DIM // HEADS)
     projections = nl.recipes.projections(d_k=DIM, d_v=DIM, every=2)
-    compare_model(
-        program("self_modifying", level, projections=projections, cms=cms_levels((4, 8))), lengths
+    hope = program(
+        "self_modifying", level, projections=projections, cms=cms_levels((4, 8)), document_grid=grid
     )
+    compare_model(hope, lengths)
 
 
 # -- streams split across calls --------------------------------------------------------------

@@ -20,6 +20,7 @@ from ml_collections import config_dict
 from test_tokens import document_texts
 
 from nested.data import corpus
+from nested.data import tokens as tokens_mod
 from nested.learn import objectives
 from nested.run import checkpoint, lm_eval, train
 from nested.run import config as nc
@@ -153,10 +154,8 @@ class PaddingDiverges:
     def __getattr__(self, name):
         return getattr(self.program, name)
 
-    def apply(self, params, inputs, fast=None, *, targets=None, mask=None, documents=None):
-        logits, fast = self.program.apply(
-            params, inputs, fast, targets=targets, mask=mask, documents=documents
-        )
+    def apply(self, params, inputs, fast=None, *, mask=None, **given):
+        logits, fast = self.program.apply(params, inputs, fast, mask=mask, **given)
         return jnp.where(mask[..., None] > 0, logits, jnp.nan), fast
 
 
@@ -244,6 +243,33 @@ def test_aligned_windows_score_every_token_once_with_documents_on_the_grid(whole
         np.testing.assert_array_equal(targets[mask > 0], stream)
     starts = np.flatnonzero((inputs.ravel()[:-1] == EOS) & (inputs.ravel()[1:] != EOS)) + 1
     assert (starts % 4 == 0).all() and len(starts) == (4 if whole else 3)
+
+
+def test_scores_declare_the_grid_only_where_the_documents_lie_on_it(folders):
+    """A program compiled with the task's grid (align 4, chunks of 4): windows whose documents
+    start on it run the ops without segments, EOS-padded rows (a start after position 0 or
+    after the pads) run them with segments; both score what the program declared on no grid
+    (``document_grid=1``) scores."""
+    config = lm_config(folders["bytes"])
+    config.task.align, config.levels.memory.chunk = 4, 4
+    exp = nc.build(config)
+    assert exp.program.document_grid == 4
+    params = exp.program.init(jax.random.key(1)).params
+    score = lm_eval.make_score_fn(exp.program, EOS)
+    tokens = np.random.default_rng(0).integers(0, EOS, (2, T + 1)).astype(np.int32)
+    on, off = tokens.copy(), tokens.copy()
+    on[:, [3, 11]] = EOS  # documents start at 4 and 12
+    off[0, 0], off[1, 9] = EOS, EOS  # at 1 and 10
+    for rows in (on, off):
+        inputs, targets, mask = rows[:, :-1], rows[:, 1:], np.ones((2, T), np.float32)
+        nll, _ = score(params, inputs, targets, mask, None)
+        ids = tokens_mod.document_ids(inputs, EOS)
+        logits, _ = exp.program.apply(params, inputs, documents=ids, document_grid=1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        expected = -np.take_along_axis(np.asarray(logp), targets[..., None], axis=-1)[..., 0]
+        np.testing.assert_allclose(nll, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="document_grid=4"):
+        exp.program.apply(params, off[:, :-1], documents=tokens_mod.document_ids(off[:, :-1], EOS))
 
 
 def write_task(path, examples) -> str:

@@ -20,7 +20,7 @@ import pytest
 
 from nested import ops
 from nested.core import inner
-from nested.ops import kernels
+from nested.ops import documents, kernels
 
 B, H, T = 2, 2, 70
 STARTS = ((5, 32, 45), (16, 17, 64))  # per batch row: positions where a document starts
@@ -147,18 +147,42 @@ def test_documents_run_as_if_alone(kernel, index):
     compare(kernel, kernel.examples()[index])
 
 
-# Documents on the chunks' grid (multiples of 16: every chunk, update period and online block
-# of these examples divides it): the chunk ops' path without segments (chunk_scan.scan_documents).
+# Documents declared on a grid of 16 (``documents.on_grid``) that every chunk, update period and
+# online block of these examples divides: the ops restart at chunk starts and build no segments.
+LINEAR = {kernel.name: kernel for kernel in DOCUMENTS}
 ON_GRID = [
     pytest.param(NEURAL, 0, id="ttt-mini-batch"),
     pytest.param(NEURAL, 3, id="titans-online"),
     *(pytest.param(ATLAS, i, id=f"atlas-{i}", marks=pytest.mark.slow) for i in range(4)),
+    *(pytest.param(LINEAR[name], 1, id=f"{name}-chunk-4") for name in ("delta_rule", "gdn2")),
+    pytest.param(LINEAR["delta_rule"], 2, id="delta-mini-batch"),
+    *(
+        pytest.param(LINEAR[name], 1, id=f"{name}-chunk-4", marks=pytest.mark.slow)
+        for name in ("linear_attention", "gated_delta_rule", "falcon")
+    ),
 ]
+GRID_STARTS = ((32,), (16, 48))
+
+
+def no_segments(*args):
+    raise AssertionError("segments built for documents declared on the chunks' grid")
 
 
 @pytest.mark.parametrize(("kernel", "index"), ON_GRID)
-def test_documents_on_the_chunk_grid_run_as_if_alone(kernel, index):
-    compare(kernel, kernel.examples()[index], positions=((32,), (16, 48)))
+def test_documents_declared_on_the_chunk_grid_run_as_if_alone_without_segments(
+    kernel, index, monkeypatch
+):
+    monkeypatch.setattr(documents, "segments", no_segments)
+    with documents.on_grid(16):
+        compare(kernel, kernel.examples()[index], positions=GRID_STARTS)
+
+
+def test_a_declared_grid_the_chunks_do_not_divide_keeps_the_segments():
+    """Starts at multiples of 16 inside the delta rule's 32-token chunks: segments, exact."""
+    level = LINEAR["delta_rule"].examples()[0]
+    assert ops.chunked.default_chunk_size() == 32 and level.chunk is None
+    with documents.on_grid(16):
+        compare(LINEAR["delta_rule"], level, positions=GRID_STARTS)
 
 
 @pytest.mark.parametrize("kernel", DOCUMENTS, ids=lambda kernel: kernel.name)

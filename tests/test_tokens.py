@@ -134,6 +134,24 @@ def test_aligned_batches_start_every_document_on_the_grid(prepared):
         np.testing.assert_array_equal(scored, plain.targets[b][: len(scored)])
 
 
+def test_the_declared_grid_is_where_every_window_starts_its_documents(prepared, monkeypatch):
+    """``document_grid``: the align (down to what the window lengths share with it: eval
+    windows are cut from one aligned stream), 1 without documents; the training loop refuses
+    a batch whose documents start elsewhere, naming the grid."""
+    out, _ = prepared
+    grid = lambda **kw: TokensTask(path=str(out), **kw).document_grid
+    assert grid(seq_len=32, align=8) == 8
+    assert grid(seq_len=32, align=8, eval_seq_len=20) == 4
+    assert (grid(seq_len=32), grid(seq_len=32, align=8, documents=False)) == (1, 1)
+    task = TokensTask(path=str(out), seq_len=32, align=8)
+    batch = train.stacked_batches(task, 1, 2, 16)  # checked on the grid
+    assert batch["documents"].shape == (2, 16, 32)
+    off = TokensTask(path=str(out), seq_len=32, align=4)
+    monkeypatch.setattr(TokensTask, "document_grid", 8)  # declared 8, laid out on 4
+    with pytest.raises(train.ConfigError, match=r"training batch 1: a document starts at"):
+        train.stacked_batches(off, 1, 1, 16)
+
+
 def test_resume_reads_the_same_batch(prepared):
     out, _ = prepared
     first = TokensTask(path=str(out), seq_len=T, seed=3)

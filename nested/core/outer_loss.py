@@ -24,9 +24,9 @@ Document ids ``documents (B, T)`` (packed rows): the model gets each span's ids,
 layer-local state restarts at a start inside the span, and the blocks' reads of a document
 starting inside a span use their initial parameters. Where a span's first token starts a
 document, the whole fast state restarts before the span; where a document starts later in a
-span, the outer-loss levels restart (tick 0) before the next one; a call in which no
-document starts after a span's first token runs the model without ids (one ``lax.cond``: the
-restarts before spans are all it needs). So a packed row equals its
+span, the outer-loss levels restart (tick 0) before the next one. Documents declared on a grid
+of multiples of ``w`` (``nested.ops.documents.on_grid``) never start inside a span: the model
+runs without ids, the restarts before spans are all it needs. So a packed row equals its
 documents run alone when they start at multiples of the shortest period ``w``, as the task
 ``tokens`` lays them out (its ``align``, set to the model's grid: ``nested.run.config.
 document_grid``); elsewhere their periods count from the row's start.
@@ -34,6 +34,7 @@ document_grid``); elsewhere their periods count from the row's start.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ import optax
 
 from nested.core import inner, probes
 from nested.core.level import Level, LevelState
+from nested.ops import documents
 
 
 class Accumulated(NamedTuple):
@@ -124,8 +126,8 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
     spans = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B, T // w, w), 1, 0), seqs)
     objectives = list(dict.fromkeys(level.objective for level in levels.values()))
     is_state = lambda x: isinstance(x, LevelState)
-    documents = "documents" in seqs
-    if documents:
+    with_ids = "documents" in seqs
+    if with_ids:
         # A span's first token starts a document: the whole fast state restarts before it.
         # A start later in a span: the outer-loss levels restart before the next span.
         starts = inner.document_starts(seqs["documents"]).reshape(B, T // w, w)
@@ -136,12 +138,12 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
         fresh = jax.tree.flatten(fresh_fast, is_leaf=is_state)[0]
 
     def step(fast, span, packed: bool):
-        if documents:
+        if with_ids:
             fast = inner.select_rows(span["first"], fresh_fast, fast)
         leaves, treedef = jax.tree.flatten(fast, is_leaf=is_state)
         index = [i for i, x in enumerate(leaves) if isinstance(x, LevelState) and x.level in levels]
         for i in index:
-            if documents:
+            if with_ids:
                 leaves[i] = inner.select_rows(span["later"], fresh[i], leaves[i])
             leaves[i] = _truncate(levels[leaves[i].level], leaves[i])
 
@@ -171,13 +173,12 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
             new_leaves[i] = _advance(levels[new_leaves[i].level], new_leaves[i], grads[n], w)
         return jax.tree.unflatten(treedef, new_leaves), logits
 
-    def scan(packed: bool):
-        with probes.repeated("the model runs period by period for outer-loss levels (a scan)"):
-            return jax.lax.scan(jax.checkpoint(partial(step, packed=packed)), fast, spans)
-
-    if documents:  # spans in which no document starts after the first token run without ids
-        inside = jnp.any(starts[:, :, 1:])
-        fast, logits = jax.lax.cond(inside, lambda: scan(True), lambda: scan(False))
-    else:
-        fast, logits = scan(False)
+    # Documents declared on a grid of multiples of w start only at spans' first tokens: the
+    # restarts before spans are all the model needs; else it gets each span's ids.
+    packed = with_ids and not documents.on_chunks(w)
+    with (
+        probes.repeated("the model runs period by period for outer-loss levels (a scan)"),
+        documents.on_grid(math.gcd(documents.grid(), w)),  # the grid of a span's positions
+    ):
+        fast, logits = jax.lax.scan(jax.checkpoint(partial(step, packed=packed)), fast, spans)
     return jnp.moveaxis(logits, 0, 1).reshape(B, T, -1), fast

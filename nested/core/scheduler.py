@@ -50,7 +50,15 @@ from flax import nnx, struct
 from nested.core import guards, inner, outer_loss, probes
 from nested.core.level import InitialState, Level, LevelState
 from nested.core.system import NestedSystem
-from nested.data.batch import Batch, as_arrays, check_arrays, check_documents, check_tokens
+from nested.data.batch import (
+    Batch,
+    as_arrays,
+    check_arrays,
+    check_document_grid,
+    check_documents,
+    check_tokens,
+)
+from nested.ops import documents as nested_documents
 
 
 @struct.dataclass
@@ -115,9 +123,12 @@ class Program:
         skip_nonfinite: bool = False,
         compute_dtype=None,
         microbatches: int = 1,
+        document_grid: int = 1,
     ):
-        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be an int >= 1")
+        for name, value in (("microbatches", microbatches), ("document_grid", document_grid)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        self.document_grid = document_grid
         self.system = system
         self.skip_nonfinite = skip_nonfinite
         self.microbatches = microbatches
@@ -194,7 +205,7 @@ class Program:
         jitted step. The steps call it themselves, so shapes and dtypes are checked under jit.
         """
         arrays = as_arrays(batch)
-        check_arrays(arrays, self.vocab, "batch", source=_VOCAB, fix=_FIX)
+        check_arrays(arrays, self.vocab, "batch", source=_VOCAB, fix=_FIX, grid=self.document_grid)
         return arrays
 
     def check_tokens(self, x, name: str) -> None:
@@ -250,32 +261,49 @@ class Program:
         )
 
     def apply(
-        self, params, inputs: jax.Array, fast=None, *, targets=None, mask=None, documents=None
+        self,
+        params,
+        inputs: jax.Array,
+        fast=None,
+        *,
+        targets=None,
+        mask=None,
+        documents=None,
+        document_grid=None,
     ):
         """Forward over ``inputs (B, T)``; ``fast`` continues a stream (None: start fresh).
 
         Model-level levels (CMS blocks, :mod:`nested.core.outer_loss`) learn only when ``targets``
         (and optionally ``mask``) are given; without them they read their current state.
         ``documents (B, T)`` int: the document of each position of packed rows; every fast level
-        restarts from its learned initial state where a new one starts inside a row.
-        ``inputs`` is checked as a batch's (module docstring).
+        restarts from its learned initial state where a new one starts inside a row; they start
+        at multiples of ``document_grid`` positions (None: the program's ``document_grid``; 1:
+        anywhere), checked where the ids are known. ``inputs`` is checked as a batch's (module
+        docstring).
         """
         self.check_tokens(inputs, "inputs")
+        grid = self.document_grid if document_grid is None else document_grid
         if documents is not None:
             check_documents(documents, inputs.shape, "apply")
-        return self._forward(params, inputs, fast, targets=targets, mask=mask, documents=documents)
+            check_document_grid(documents, grid, "apply")
+        return self._forward(
+            params, inputs, fast, targets=targets, mask=mask, documents=documents, grid=grid
+        )
 
-    def _forward(self, params, inputs, fast=None, *, targets=None, mask=None, documents=None):
+    def _forward(
+        self, params, inputs, fast=None, *, targets=None, mask=None, documents=None, grid=None
+    ):
         if fast is None:
             fast = self.start_fast(params, inputs.shape[0])
         model = self.model(params)
-        if self.outer_loss_levels and targets is not None:
-            given = {"targets": targets, "mask": mask, "documents": documents}
-            batch = {k: v for k, v in given.items() if v is not None}
-            return outer_loss.run(self.outer_loss_levels, model, inputs, fast, batch)
-        if documents is None:
-            return model(inputs, fast)
-        return model(inputs, fast, documents=documents)
+        ids = {} if documents is None else {"documents": documents}
+        grid = self.document_grid if grid is None else grid
+        with nested_documents.on_grid(grid):  # checked by check_batch and apply
+            if self.outer_loss_levels and targets is not None:
+                given = {"targets": targets, "mask": mask, **ids}
+                batch = {k: v for k, v in given.items() if v is not None}
+                return outer_loss.run(self.outer_loss_levels, model, inputs, fast, batch)
+            return model(inputs, fast, **ids)
 
     def loss(self, params, batch, fast=None):
         """Outer objective of one batch: ``(loss, (metrics, final fast state))``.
@@ -382,7 +410,12 @@ class Program:
 
 
 def compile(  # noqa: A001
-    system: NestedSystem, *, skip_nonfinite: bool = False, compute_dtype=None, microbatches=1
+    system: NestedSystem,
+    *,
+    skip_nonfinite: bool = False,
+    compute_dtype=None,
+    microbatches=1,
+    document_grid=1,
 ) -> Program:
     """Compile ``system`` into a :class:`Program` (validates the model against the levels).
 
@@ -392,6 +425,10 @@ def compile(  # noqa: A001
     and fast states stay float32 (module docstring); None: in the parameters' dtype.
     ``microbatches``: gradient accumulation, each batch's rows in this many parts inside the
     step (:meth:`Program.train_step`).
+    ``document_grid``: the documents of packed rows start at multiples of this many positions
+    (as the task ``tokens`` lays them out, its ``align``); checked on the host where ids are
+    known (:meth:`Program.check_batch`), it lets the ops restart at chunk starts and run
+    without segments where their chunks divide it (:mod:`nested.ops.documents`). 1: anywhere.
     """
     if not isinstance(system, NestedSystem):
         raise ValueError(f"compile() takes a nested.NestedSystem, got {type(system).__name__}")
@@ -400,4 +437,5 @@ def compile(  # noqa: A001
         skip_nonfinite=skip_nonfinite,
         compute_dtype=compute_dtype,
         microbatches=microbatches,
+        document_grid=document_grid,
     )

@@ -123,10 +123,13 @@ def check_tokens(x: Any, vocab: int, name: str, *, source: str, fix: str) -> Non
         )
 
 
-def check_arrays(arrays: Mapping[str, Any], vocab: int, where: str, *, source: str, fix: str):
+def check_arrays(
+    arrays: Mapping[str, Any], vocab: int, where: str, *, source: str, fix: str, grid: int = 1
+):
     """Refuse a batch the model would misread silently (the embedding gather clamps ids):
     ``inputs`` and ``targets`` missing, arrays of different shapes, token ids that are not
-    integers in ``[0, vocab)`` (:func:`check_tokens`). ``where`` names the batch."""
+    integers in ``[0, vocab)`` (:func:`check_tokens`), documents starting off the declared
+    ``grid`` (:func:`check_document_grid`). ``where`` names the batch."""
     for key in ("inputs", "targets"):
         if key not in arrays:
             raise ValueError(
@@ -143,6 +146,7 @@ def check_arrays(arrays: Mapping[str, Any], vocab: int, where: str, *, source: s
         check_tokens(arrays[key], vocab, f"{where}: {key}", source=source, fix=fix)
     if "documents" in arrays:
         check_documents(arrays["documents"], shape, where)
+        check_document_grid(arrays["documents"], grid, where)
 
 
 def check_documents(documents: Any, shape: tuple, where: str) -> None:
@@ -153,6 +157,33 @@ def check_documents(documents: Any, shape: tuple, where: str) -> None:
         raise ValueError(
             f"{where}: documents must be integer document ids of shape {tuple(shape)} like the "
             f"inputs, got {dtype or type(documents).__name__} {tuple(np.shape(documents))}"
+        )
+
+
+def off_grid(documents: Any, grid: int) -> tuple[int, int] | None:
+    """``(row, position)`` of the first document of ``documents (B, T)`` (ids known, not a
+    tracer) that starts off a multiple of ``grid`` positions of its row; None if none does."""
+    ids = np.asarray(documents)
+    rows, before = np.nonzero(ids[:, 1:] != ids[:, :-1])
+    off = (before + 1) % grid != 0
+    return (int(rows[off][0]), int(before[off][0]) + 1) if off.any() else None
+
+
+def check_document_grid(documents: Any, grid: int, where: str) -> None:
+    """Raise ``ValueError`` unless every document of ``documents (B, T)`` after a row's first
+    starts at a multiple of ``grid`` positions of the row, as the program was declared to take
+    them (``nested.compile(..., document_grid=grid)``: its ops then restart only at chunk
+    starts, ``nested.ops.documents.on_grid``). Checked where the ids are known, not on a
+    tracer inside ``jax.jit``."""
+    if grid == 1 or isinstance(documents, jax.core.Tracer):
+        return
+    found = off_grid(documents, grid)
+    if found is not None:
+        raise ValueError(
+            f"{where}: a document starts at position {found[1]} of row {found[0]}, off the "
+            f"program's document_grid={grid} (a multiple of {grid} positions, the task's align); "
+            f"lay rows out with nested.data.tokens.align_documents(..., {grid}) or compile the "
+            f"program with document_grid=1"
         )
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -170,6 +171,16 @@ class TokensTask:
             raise field_error(self.name, "documents", self.documents, "use True or False")
         if self.align is not None and (not isinstance(self.align, int) or self.align < 1):
             raise field_error(self.name, "align", self.align, "use a positive int (1: none)")
+
+    @property
+    def document_grid(self) -> int:
+        """Where the documents of every row start: at multiples of this many positions (its
+        ``align``, down to the divisor it shares with the window lengths, since evaluation cuts
+        windows from one aligned stream); 1 without ``documents``. A program compiled with it
+        (``nested.compile(..., document_grid=)``) restarts its ops only at chunk starts."""
+        if not self.documents:
+            return 1
+        return math.gcd(self.align or 1, self.seq_len, self.split_seq_len("val"))
 
     def split_seq_len(self, split: str) -> int:
         """T of ``split``'s windows."""

@@ -41,6 +41,7 @@ from flax import nnx
 from nested.core import inner, probes
 from nested.core.level import InitialState, Level
 from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
+from nested.ops import documents
 
 
 class SelfModifyingLayer(nnx.Module):
@@ -229,7 +230,8 @@ class SelfModifyingLayer(nnx.Module):
         ctx = self._context(last["x"], last["targets"], last["gates"])
         first = (jnp.arange(C)[None] == (C - n)[:, None]) & (n[:, None] > 0)
         ctx = ctx._replace(starts=first, initial=projections)
-        finished = inner.run(self.projections, projections, ctx)[1]
+        with documents.on_grid(1):  # its start is anywhere in the period
+            finished = inner.run(self.projections, projections, ctx)[1]
         return kvq, inner.select_rows(n > 0, finished, projections)
 
     def __call__(self, x: jax.Array, state: dict, starts=None) -> tuple[jax.Array, dict]:

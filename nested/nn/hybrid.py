@@ -27,6 +27,7 @@ inner one.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -44,6 +45,7 @@ from nested.nn.attention import (
     rotary,
 )
 from nested.nn.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
+from nested.ops import documents
 
 
 class _Hybrid(nnx.Module):
@@ -149,19 +151,21 @@ class MemoryAsContext(nnx.Module):
         segment = partial(self._segment, persistent=(keys, values))
         whole = T // self.window * self.window
         memory, outputs = state["memory"], []
-        if whole:
-            segments = jax.tree.map(
-                lambda a: jnp.moveaxis(
-                    a[:, :whole].reshape(B, -1, self.window, *a.shape[2:]), 1, 0
-                ),
-                (x, starts),
-            )
-            with probes.repeated("memory-as-context segments (a scan over segments)"):
-                memory, y = jax.lax.scan(segment, memory, segments)
-            outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
-        if whole < T:
-            memory, y = segment(memory, jax.tree.map(lambda a: a[:, whole:], (x, starts)))
-            outputs.append(y)
+        # Segments begin at multiples of the window: their documents' grid.
+        with documents.on_grid(math.gcd(documents.grid(), self.window)):
+            if whole:
+                segments = jax.tree.map(
+                    lambda a: jnp.moveaxis(
+                        a[:, :whole].reshape(B, -1, self.window, *a.shape[2:]), 1, 0
+                    ),
+                    (x, starts),
+                )
+                with probes.repeated("memory-as-context segments (a scan over segments)"):
+                    memory, y = jax.lax.scan(segment, memory, segments)
+                outputs.append(jnp.moveaxis(y, 0, 1).reshape(B, whole, dim))
+            if whole < T:
+                memory, y = segment(memory, jax.tree.map(lambda a: a[:, whole:], (x, starts)))
+                outputs.append(y)
         return jnp.concatenate(outputs, axis=1), {"memory": memory}
 
     def _qkv(self, tokens: jax.Array) -> list[jax.Array]:

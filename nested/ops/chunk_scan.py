@@ -28,6 +28,8 @@ mini-batch's state after the first segment, the documents' initial state), keeps
 reads, and continues the last segment's base, with the gradients taken from it, to the chunk's
 end state. An Omega window reads, for a document's first window - 1 tokens, the samples of the
 window that document started with in place of the previous document's (``window_samples``).
+Documents declared on a grid the chunks divide (``documents.on_grid``) restart the carry at a
+chunk's first token and run every chunk without segments.
 """
 
 import math
@@ -247,24 +249,19 @@ def needed(segment: Array, run: Callable):
 
 def scan_documents(step: Callable, carry: ScanCarry, seq: ChunkInputs, *, chunk_size: int):
     """``scan_chunks`` of ``step`` over a sequence of documents (``with_documents``): what
-    happens at a chunk's first token goes into the carry (``at_chunk_start``). Where every
-    document start and update period begin of the call falls on the chunks' grid (documents
-    aligned to it, as the task ``tokens`` lays them out), one scan of ``step`` without
-    segments: one base state a chunk, as without documents; else the scan with segments
-    (``lax.cond`` over the call)."""
+    happens at a chunk's first token goes into the carry (``at_chunk_start``). Where the
+    documents are declared on a grid the chunks divide (``documents.on_chunks``), every start
+    and update period begins at a chunk's first token: ``step`` runs without segments, one base
+    state a chunk, as without documents."""
     if seq.starts is None:
         return scan_chunks(step, carry, seq, chunk_size=chunk_size)
-    inside = jnp.arange(seq.starts.shape[1])[None] % chunk_size > 0  # not a chunk's first token
-    off_grid = (seq.starts[..., 0] | seq.begins[..., 0]) & inside
+    on_grid = documents.on_chunks(chunk_size)
 
-    def at_start(step, keep_segments):
-        def run(carry, chunk):
-            carry, chunk = at_chunk_start(carry, chunk)
-            return step(carry, chunk if keep_segments else chunk._replace(starts=None, begins=None))
+    def run(carry, chunk):
+        carry, chunk = at_chunk_start(carry, chunk)
+        return step(carry, chunk._replace(starts=None, begins=None) if on_grid else chunk)
 
-        return lambda carry, seq: scan_chunks(run, carry, seq, chunk_size=chunk_size)
-
-    return jax.lax.cond(jnp.any(off_grid), at_start(step, True), at_start(step, False), carry, seq)
+    return scan_chunks(run, carry, seq, chunk_size=chunk_size)
 
 
 def at_chunk_start(carry: ScanCarry, chunk: ChunkInputs) -> tuple[ScanCarry, ChunkInputs]:

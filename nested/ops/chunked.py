@@ -41,7 +41,9 @@ running document's next period begins). A token of a later segment reads its seg
 state ``S'`` (``initial`` for a document) decayed from the segment's start, ``exp(g_t -
 g_{s-1})``, and the couplings and scores above are masked to pairs of one segment, so ``A``
 stays unit lower triangular (block diagonal) and one inverse serves every document of the
-chunk; the end state continues the last segment's base by that segment's writes.
+chunk; the end state continues the last segment's base by that segment's writes. Documents
+declared on a grid the chunks divide (``documents.on_grid``) restart the state at a chunk's
+first token instead, and every chunk runs without segments.
 
 References: Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
 Sequence Length" (WY/UT form); Yang, Kautz & Hatamizadeh 2025 (gated delta rule); Yang et al.
@@ -167,14 +169,25 @@ def delta_family(
     xs = jax.tree.map(lambda x: _to_chunks(x, size), (q, k, v, write, beta, log_decay))
     halos = tuple(_halo(x, window - 1) for x in xs[1:3]) if window > 1 else (None, None)
     carry, docs = state, None
-    if starts is not None:
+    on_grid = starts is not None and documents.on_chunks(chunk_size)
+    if on_grid:  # every start at a chunk's first token: restart there, no segments
+        docs = _to_chunks(starts[:, :, None, None], size)[:, :, 0, 0, 0]  # (N, B)
+        step = functools.partial(_restarting, step=step, initial=initial)
+    elif starts is not None:
         begins = starts if exact else documents.period_begins(starts, chunk_size)
         docs = tuple(_to_chunks(x[:, :, None, None], size)[..., 0] for x in (begins, starts))
         carry = state if exact else (state, state)
     carry, o = jax.lax.scan(jax.checkpoint(step), carry, xs + halos + (docs,))
     o = jnp.moveaxis(o, 0, 2)  # (B, H, N, C, d_v)
     o = o.reshape(b, h, -1, dv)[:, :, :t]
-    return jnp.swapaxes(o, 1, 2), carry if starts is None or exact else carry[1]
+    return jnp.swapaxes(o, 1, 2), carry if starts is None or exact or on_grid else carry[1]
+
+
+def _restarting(carry, xs, *, step, initial):
+    """``step`` of a chunk whose first token may start a document (``xs``'s last entry,
+    ``(B,)``): those rows begin from ``initial``, and the chunk runs without segments."""
+    *chunk, restart = xs
+    return step(documents.choose(restart, initial, carry), (*chunk, None))
 
 
 def _as_rows(gate):

@@ -13,12 +13,49 @@ document. With mini-batches of ``every`` tokens on a grid of ``every``-token chu
 document running at the chunk start may begin its next mini-batch inside the chunk, the
 ``second`` segment (from the state after the first); every later segment is a document
 starting inside the chunk (whose next period begins beyond the chunk's end).
+
+Documents on a declared grid (:func:`on_grid`): where the caller declares that every start of
+a call falls at a multiple of ``grid`` positions, and a chunked op's chunks divide ``grid``
+(:func:`on_chunks`), every start and every update period begins at a chunk's first token, so
+the op restarts its state there and runs each chunk without segments: the cost of one
+document. The declaration is static (known when the program is traced); the caller checks it
+on the host (``nested.Program.check_batch``). Code that calls an op on a piece of a call's
+sequence declares the grid of the piece: ``on_grid(math.gcd(grid(), w))`` for pieces that begin
+at multiples of ``w``, ``on_grid(1)`` where a piece begins anywhere.
 """
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+_GRID: contextvars.ContextVar[int] = contextvars.ContextVar("nested_document_grid", default=1)
+
+
+@contextlib.contextmanager
+def on_grid(grid: int):
+    """While tracing inside: every document start of a call's sequence falls at a multiple of
+    ``grid`` positions from the call's first token (1: anywhere, the default)."""
+    if not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"the document grid must be a positive int (1: none), got {grid!r}")
+    token = _GRID.set(grid)
+    try:
+        yield
+    finally:
+        _GRID.reset(token)
+
+
+def grid() -> int:
+    """The declared grid of document starts (:func:`on_grid`; 1 when none is declared)."""
+    return _GRID.get()
+
+
+def on_chunks(chunk_size: int) -> bool:
+    """Whether every document start and update period of ``chunk_size`` tokens falls on the
+    first token of a chunk of ``chunk_size`` (the declared grid is a multiple of it)."""
+    return grid() % chunk_size == 0
 
 
 class Segments(NamedTuple):

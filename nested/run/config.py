@@ -338,6 +338,7 @@ def build(config: config_dict.ConfigDict) -> Experiment:
         skip_nonfinite=train["skip_nonfinite"],
         compute_dtype=compute,
         microbatches=train["microbatches"],
+        document_grid=getattr(task, "document_grid", 1),
     )
     return Experiment(config, task, system, program, schedule, plasticity)
 

@@ -86,6 +86,7 @@ from tqdm import tqdm
 
 from nested.core.scheduler import Program
 from nested.data import TokensTask, corpus
+from nested.data.batch import off_grid
 from nested.data.tokens import align_documents, document_ids
 from nested.learn.objectives import token_cross_entropy
 from nested.run import checkpoint, metrics, train
@@ -111,23 +112,35 @@ def make_score_fn(program: Program, eos_id: int | None = None) -> Callable:
     starts from the learned initial states, a fast state continues it as a stream continues
     (:meth:`Program.start_fast`: persist="sequence" levels restart). With ``eos_id`` (a run
     trained with the task's ``documents``) a new document starts after each EOS, as in
-    training (:func:`nested.data.tokens.document_ids`). Returns the final fast state.
+    training (:func:`nested.data.tokens.document_ids`), declared on the program's
+    ``document_grid`` where every start lies on it (windows of the aligned stream) and on none
+    otherwise (EOS-padded choice rows). Returns the final fast state.
     """
 
-    def score(params, inputs, targets, mask, fast, documents):
+    def score(params, inputs, targets, mask, fast, documents, grid):
         if fast is not None:
             fast = program.start_fast(params, inputs.shape[0], fast)
         logits, fast = program.apply(
-            params, inputs, fast, targets=targets, mask=mask, documents=documents
+            params,
+            inputs,
+            fast,
+            targets=targets,
+            mask=mask,
+            documents=documents,
+            document_grid=grid,
         )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
         return token_cross_entropy(logits, {"targets": targets, "mask": mask}), fast
 
-    jitted = jax.jit(score)
+    jitted = jax.jit(score, static_argnames="grid")
 
     def call(params, inputs, targets, mask, fast):
         documents = None if eos_id is None else document_ids(np.asarray(inputs), eos_id)
-        return jitted(params, inputs, targets, mask, fast, documents)
+        # Windows of the aligned stream start documents on the program's grid; the rows of
+        # multiple-choice requests (EOS padded) anywhere.
+        on_grid = documents is not None and off_grid(documents, program.document_grid) is None
+        grid = program.document_grid if on_grid else 1
+        return jitted(params, inputs, targets, mask, fast, documents, grid=grid)
 
     return call
 

@@ -96,17 +96,24 @@ class Stopped(Exception):
 # -- pieces (each usable alone) ---------------------------------------------------------------
 
 
-def check_arrays(arrays: Mapping[str, np.ndarray], vocab: int, where: str) -> None:
+def check_arrays(
+    arrays: Mapping[str, np.ndarray], vocab: int, where: str, *, grid: int = 1
+) -> None:
     """Refuse a task's batch the model would misread silently (:func:`nested.data.check_arrays`:
-    token ids outside ``[0, task.vocab_size)``, arrays of different shapes) with a
-    :class:`ConfigError`; ``where`` names the batch."""
+    token ids outside ``[0, task.vocab_size)``, arrays of different shapes, documents off the
+    task's ``grid``) with a :class:`ConfigError`; ``where`` names the batch."""
     try:
-        data.check_arrays(arrays, vocab, where, source="task.vocab_size", fix=_VOCAB_FIX)
+        data.check_arrays(arrays, vocab, where, source="task.vocab_size", fix=_VOCAB_FIX, grid=grid)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 
 
 _VOCAB_FIX = "raise task.vocab_size or fix the task's data"
+
+
+def _grid(task) -> int:
+    """Where the task's documents start (``nested.data.TokensTask.document_grid``; 1: any)."""
+    return getattr(task, "document_grid", 1)
 
 
 def check_task(task) -> None:
@@ -116,7 +123,7 @@ def check_task(task) -> None:
     for split in ("train", *task.eval_splits):
         try:
             batch = data.as_arrays(task.batch(0, 1, split=split))
-            check_arrays(batch, task.vocab_size, f"{task.name}: {split} batch 0")
+            check_arrays(batch, task.vocab_size, f"{task.name}: {split} batch 0", grid=_grid(task))
         except ValueError as error:
             raise ConfigError(f"task: {error}") from error
 
@@ -138,7 +145,8 @@ def stacked_batches(
     checked with :func:`check_arrays`); of each only ``rows`` (a process's share)."""
     batches = [_rows_of(task, i, batch_size, rows) for i in range(start, start + count)]
     for i, arrays in enumerate(batches):
-        check_arrays(arrays, task.vocab_size, f"task {task.name}: training batch {start + i}")
+        where = f"task {task.name}: training batch {start + i}"
+        check_arrays(arrays, task.vocab_size, where, grid=_grid(task))
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 
 
@@ -314,7 +322,8 @@ def evaluate(
             made = task.batch(i, batch_size, split=split)
             batch = data.as_arrays(made, extras=(*data.STREAM_EXTRAS, "in_context"))
             batch = {k: v[rows] for k, v in batch.items()}
-            check_arrays(batch, task.vocab_size, f"task {task.name}: {split} batch {i}")
+            where = f"task {task.name}: {split} batch {i}"
+            check_arrays(batch, task.vocab_size, where, grid=_grid(task))
             if layout is not None:
                 batch = layout.put(batch, batch_size)
             out, new_fast = eval_fn(state.replace(fast=fast) if carry else state, batch)
