@@ -216,3 +216,25 @@ def test_plasticity_entry_point_writes_its_json_and_plots(trained):
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(
         "error: --tasks: [7]"
     )
+
+
+def test_the_summary_shows_a_level_without_updates_as_n_a():
+    """A slow level that made no update in the measured batch has no direction: its cosines
+    are None in the JSON, and the printed summary says n/a instead of failing."""
+    silent = {"cos_local": None, "conflict_local": None, "cos_update": None, "total_update": 0}
+    moved = {"cos_local": 0.25, "conflict_local": 0.5, "cos_update": 0.125, "total_update": 1.5}
+    levels = {"memory": moved, "slow": silent}
+    result = {
+        "alignment": {
+            "trained": {"through_scan": {"levels": levels}},
+            "initial": {"through_scan": {"levels": levels}},
+            "switch": {"old_task": {"levels": levels}, "new_task": {"levels": levels}},
+        }
+    }
+    lines = report.format_summary(result).splitlines()
+    assert lines[1] == (
+        "alignment slow: cos(grad J, g) n/a trained vs n/a initial; conflict rate n/a; "
+        "cos(grad J, -delta) n/a"
+    )
+    assert lines[0].startswith("alignment memory: cos(grad J, g) 0.250 trained vs 0.250")
+    assert lines[3].startswith("switch slow: cos(grad J, -delta) n/a on the new task, n/a")

@@ -288,6 +288,13 @@ def _jsonable(x):
     return x
 
 
+def _figure(figures: dict, key: str, spec: str) -> str:
+    """``figures[key]`` formatted, or "n/a" where it is missing or None (a level that made
+    no update in the batch has no direction to compare)."""
+    value = figures.get(key)
+    return "n/a" if value is None else format(value, spec)
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """A few lines of the headline figures of a :func:`run` result."""
     lines = []
@@ -297,17 +304,19 @@ def format_summary(result: dict[str, Any]) -> str:
     for name, figures in align.get("trained", {}).get("through_scan", {}).get("levels", {}).items():
         initial = align["initial"]["through_scan"]["levels"].get(name, {})
         lines.append(
-            f"alignment {name}: cos(grad J, g) {figures['cos_local']:.3f} trained vs "
-            f"{initial.get('cos_local', float('nan')):.3f} initial; conflict rate "
-            f"{figures['conflict_local']:.2f}; cos(grad J, -delta) {figures['cos_update']:.3f}"
+            f"alignment {name}: cos(grad J, g) {_figure(figures, 'cos_local', '.3f')} trained "
+            f"vs {_figure(initial, 'cos_local', '.3f')} initial; conflict rate "
+            f"{_figure(figures, 'conflict_local', '.2f')}; cos(grad J, -delta) "
+            f"{_figure(figures, 'cos_update', '.3f')}"
         )
     switch = align.get("switch", {})
     for name, figures in switch.get("old_task", {}).get("levels", {}).items():
         new = switch["new_task"]["levels"][name]
         lines.append(
-            f"switch {name}: cos(grad J, -delta) {new['cos_update']:.3f} on the new task, "
-            f"{figures['cos_update']:.3f} on the old one (first-order effect of its updates "
-            f"{new['total_update']:.3g} / {figures['total_update']:.3g})"
+            f"switch {name}: cos(grad J, -delta) {_figure(new, 'cos_update', '.3f')} on the new "
+            f"task, {_figure(figures, 'cos_update', '.3f')} on the old one (first-order effect "
+            f"of its updates {_figure(new, 'total_update', '.3g')} / "
+            f"{_figure(figures, 'total_update', '.3g')})"
         )
     for metric, figures in result.get("transfer", {}).get("summary", {}).items():
         shown = ", ".join(f"{k} {v:.3f}" for k, v in figures.items() if v is not None)
