@@ -389,7 +389,14 @@ def plot(result: dict[str, Any], directory: str | Path) -> list[Path]:
             for task, style in (("old_task", "-"), ("new_task", "--")):
                 by_position = switch[task]["levels"][name]["by_position"]
                 label = f"{name}: J on the {task.replace('_', ' ')}"
-                ax.plot(by_position["position"], by_position["cos_update"], style, label=label)
+                # a slow level updates at a few positions only: its points, marked
+                points = [
+                    (p, c)
+                    for p, c in zip(by_position["position"], by_position["cos_update"], strict=True)
+                    if c is not None
+                ]
+                if points:
+                    ax.plot(*zip(*points, strict=True), style, marker=".", label=label)
         ax.axhline(0, color="k", lw=0.5)
         ax.set(
             xlabel="position of the update in the new task's first batch",
