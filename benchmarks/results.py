@@ -227,7 +227,7 @@ FIXED_SLOW_LR = tuple(f"consolidate_1_32_lr{lr}" for lr in (0.03, 0.1, 0.3, 1.0)
 LOAD_MODELS = ("one_level", "one_level_wide", "periods_1_32", "consolidate_1_32")
 LOAD = (*DISJOINT, ("task.num_keys", 8), ("task.num_pairs", 4))
 FREQUENCY_STREAMS = {  # stream: (models, overrides, training seeds)
-    "frequencies": (FREQUENCY_MODELS, (), FREQUENCY_SEEDS),
+    "frequencies": ((*FREQUENCY_MODELS, *FIXED_SLOW_LR), (), FREQUENCY_SEEDS),
     "frequencies_disjoint": (DISJOINT_MODELS, DISJOINT, FREQUENCY_SEEDS),
     "frequencies_review": ((*DISJOINT_MODELS, *FIXED_SLOW_LR), REVIEW, FREQUENCY_SEEDS[:1]),
     "frequencies_load": (LOAD_MODELS, LOAD, FREQUENCY_SEEDS),
@@ -258,8 +258,7 @@ LM_PREPARE = (
     "--vocab_size=8192",
     "--val_fraction=0.05",
 )
-# Documents packed without restarts (as flame trains by default): with restarts, even on
-# its grid, Hope no longer trains within the 30 minutes a row may take here.
+# Documents packed without restarts, as flame trains by default.
 LM_DOCUMENTS = ("task.documents", False)
 LM_STEPS = 120  # Hope, the slowest, takes about 14 s a step here: 28 minutes
 
@@ -642,10 +641,11 @@ def _kept(R: np.ndarray, A: np.ndarray) -> float:
     return float(np.mean((R - A * np.diag(R)[None, :])[below]))
 
 
-def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]]:
+def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str], str | None]:
     """One stream's table of the multi-frequency models (``_by_model``; the stream's config
     ``overrides``): its lines with the verdicts after it, the per-seed intervals, the
-    commands. "train wall": the training command's wall time, mean over the seeds."""
+    commands, and the two-level model of best BWT (None without one). "train wall": the
+    training command's wall time, mean over the seeds."""
     metric = "memory_accuracy"
     head = ["model", "slow params", "carried bytes", "seeds", "train wall", "ACC", "BWT", "FWT"]
     head += ["forgetting (max)", "old values kept", "in-context ACC"]
@@ -712,7 +712,7 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
         others = ", ".join(f"`{k}`" for k in range(1, len(runs)))
         more = f" (`--config.seed=` {others} for the others)" if len(runs) > 1 else ""
         commands.append(f"* {model}: {_commands(runs[0][0])}{more}")
-    verdict = []
+    verdict, best = [], None
     base = figures.get("one_level_wide")
     multi = {m: f for m, f in figures.items() if m.startswith(("periods_", "consolidate_"))}
     if base and multi:
@@ -733,7 +733,7 @@ def _frequency_table(models, overrides) -> tuple[list[str], list[str], list[str]
             f"{100 * acc1:.1f}.",
             "",
         ]
-    return [*lines, "", *verdict], details, commands
+    return [*lines, "", *verdict], details, commands, best
 
 
 # What each multi-frequency stream's section says before its table.
@@ -763,7 +763,9 @@ STREAM_INTROS = {
         "of task j's keys task i left unchanged, computed from the agents' mappings). 'Old "
         "values kept' is what no tracker scores: the mean over earlier tasks of R[i, j] - "
         "A[i, j] R[j, j] (A the tracker's matrix), the answers on keys whose value changed "
-        "since, which only a memory of the old values gives."
+        "since, which only a memory of the old values gives. `consolidate_1_32_lr<value>`: "
+        "consolidate_1_32 with the slow head's step size fixed at the value "
+        "(`--config.levels.slow.lr`) instead of the gate beta_t the outer loop learns."
     ),
     "frequencies_disjoint": (
         "The same models, training and deployment on the stream whose every task has keys of "
@@ -799,7 +801,7 @@ def frequency_section(results, workdir: Path, stream: str) -> list[str]:
     models = _by_model(results, workdir, stream)
     if not models:
         return []
-    table, details, commands = _frequency_table(models, FREQUENCY_STREAMS[stream][1])
+    table, details, commands, best = _frequency_table(models, FREQUENCY_STREAMS[stream][1])
     return [
         f"## {SECTIONS[stream]}",
         "",
@@ -809,7 +811,7 @@ def frequency_section(results, workdir: Path, stream: str) -> list[str]:
         *details,
         "",
         *_ablation(models, workdir, stream),
-        *_switch(models, workdir, stream),
+        *_switch(models, workdir, stream, shown=best),
         *commands,
         "",
     ]
@@ -851,12 +853,13 @@ def _ablation(models, workdir: Path, stream: str) -> list[str]:
 SWITCH_FIGURE = "benchmarks/figures/{stream}_switch.png"  # committed beside RESULTS.md
 
 
-def _switch(models, workdir: Path, stream: str) -> list[str]:
+def _switch(models, workdir: Path, stream: str, shown: str | None = None) -> list[str]:
     """Per-level alignment over a task switch (``report._switch``) of the first seed of each
     model of ``stream`` measured by the alignment protocol (``plasticity_switch.json``), and
-    the first one's figure copied to :data:`SWITCH_FIGURE` of the stream."""
+    the figure of ``shown`` (the best two-level model; else the first measured) copied to
+    :data:`SWITCH_FIGURE` of the stream."""
     figure_path = SWITCH_FIGURE.format(stream=stream)
-    lines, figure = [], None
+    lines, plots = [], {}
     for model in models:
         run = workdir / stream / model / f"seed{FREQUENCY_SEEDS[0]}"
         path = run / "plasticity_switch.json"
@@ -873,13 +876,11 @@ def _switch(models, workdir: Path, stream: str) -> list[str]:
             cells = shown_as("cos_update", ".3f") + shown_as("total_update", ".3g")
             cells += shown_as("conflict_update", ".2f")
             lines.append(f"| {model} | {level} | " + " | ".join(cells) + " |")
-        if figure is None and (run / "plasticity_switch.png").exists():
-            figure = ROOT / figure_path
-            figure.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(run / "plasticity_switch.png", figure)
-            shown = model
+        if (run / "plasticity_switch.png").exists():
+            plots[model] = run / "plasticity_switch.png"
     if not lines:
         return []
+    shown = shown if shown in plots else next(iter(plots), None)
     run = f"runs/results/{stream}/MODEL/seed0"
     command = (
         f"`python experiments/plasticity.py --workdir={run} --protocols=alignment "
@@ -899,7 +900,9 @@ def _switch(models, workdir: Path, stream: str) -> list[str]:
         *lines,
         "",
     ]
-    if figure is not None:
+    if shown is not None:
+        (ROOT / figure_path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(plots[shown], ROOT / figure_path)
         out += [f"![alignment by position over a task switch, {shown}]({figure_path})", ""]
     return out
 
@@ -1086,8 +1089,7 @@ def lm_section(results, workdir: Path) -> list[str]:
         "files held out by hash). Each model is `configs/lm.py`'s `small` size (4 blocks of "
         "width 256, parameters within 10% of the Transformer++'s), trained on the same "
         f"{LM_STEPS} batches of 16 x 256 tokens in the same order (documents packed without "
-        f"restarts, `{LM_DOCUMENTS[0]}={LM_DOCUMENTS[1]}`: with a restart at every document "
-        "start Hope, the slowest, no longer trains within the 30 minutes a run has here), "
+        f"restarts, `{LM_DOCUMENTS[0]}={LM_DOCUMENTS[1]}`, as flame trains by default), "
         "then scored by "
         "`experiments/eval_lm.py` on every held-out token: loss (nats per token), perplexity, "
         "bits per byte (comparable across tokenizers), and perplexity by position in windows "
