@@ -3,13 +3,17 @@
     .venv/bin/python benchmarks/lm_throughput.py --models=transformer,deltanet,titans \\
         --size=tiny --steps=3 [--mesh=-1,1,1] [--batch_size=8] [--nowrite]
     .venv/bin/python benchmarks/lm_throughput.py --cpu_devices=2 --mesh=2,1,1 --models=titans
+    .venv/bin/python benchmarks/lm_throughput.py --profile --models=hope --size=small
 
-For each model at ``--size`` on the mesh ``--mesh`` (``data,fsdp,tensor`` sizes, -1: the
-devices the others leave): the jitted training step of the training loop
-(``nested.run.train.make_layout``, ``init_state``, ``make_train_fn``: one outer step a call)
-on synthetic batches of the config's shape (random token ids; with ``task.documents`` one
-document start in the middle of every row, so the kernels run their document path as in
-training), compiled by a first call, then the median wall time of ``--steps`` timed calls.
+A model may carry the large-chunk suffix of ``configs/lm.py`` (``titans-c256``: the memory
+updates once per 256 tokens, a declared rule of its own). For each model at ``--size`` on the
+mesh ``--mesh`` (``data,fsdp,tensor`` sizes, -1: the devices the others leave): the jitted
+training step of the training loop (``nested.run.train.make_layout``, ``init_state``,
+``make_train_fn``: one outer step a call) on synthetic batches of the config's shape (random
+token ids; with ``task.documents`` one document start in the middle of every row, on the
+program's document grid, none where the grid is the row, so the kernels run their document
+path as in training), compiled by a first call, then the median wall time of ``--steps``
+timed calls.
 
 * tokens/s = batch_size x seq_len / median step seconds;
 * FLOPs/token: ``nested.run.flops.per_token(config)["train"]``, the analytic training FLOPs
@@ -24,6 +28,14 @@ training), compiled by a first call, then the median wall time of ``--steps`` ti
 
 Prints a markdown table and writes it into this benchmark's section of benchmarks/README.md
 (``--nowrite``: printed only).
+
+``--profile``: instead of the table, where each model's training step spends its time and
+FLOPs, by phase (forward, backward, recomputation, update) and by part (the named scopes of
+the model: attention, MLP, each level's inner loop ``inner.<level>`` with its gradients,
+momentum/decay ``coefficients``, ``reads`` and ``state_update``, CMS blocks and their span
+gradients ``cms_grads``, Hope's ``self_modifying`` projections, the head, the optimizer), from
+a ``jax.profiler`` trace of ``--steps`` steps joined to the compiled step's HLO
+(``step_profile.py``). Written to the section ``lm_profile``.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ for _arg in sys.argv[1:]:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import report  # noqa: E402
+import step_profile  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from nested import data  # noqa: E402
@@ -60,6 +73,7 @@ flags.DEFINE_integer("seq_len", None, "Tokens a sequence (default: the config's)
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device (default: measured / table).")
 flags.DEFINE_integer("cpu_devices", None, "Simulated CPU devices (XLA flag, set before JAX).")
 flags.DEFINE_boolean("write", True, "Write the table into benchmarks/README.md.")
+flags.DEFINE_boolean("profile", False, "Per-part time and FLOPs of each model's step instead.")
 
 # Nominal dense bf16 peaks per device, TFLOP/s (vendor figures: NVIDIA's H100/H200 SXM and
 # A100 datasheets without sparsity, Google Cloud's TPU pages), by a substring of device_kind.
@@ -95,7 +109,8 @@ def synthetic_batches(exp, batch_size: int, steps: int, seed: int = 0) -> list[d
         extras = {}
         if getattr(task, "documents", False):
             documents = np.zeros((batch_size, T), np.int32)
-            documents[:, T // 2 :] = 1
+            grid = exp.program.document_grid  # the start at the middle, on the program's grid
+            documents[:, max(grid, T // 2 // grid * grid) :] = 1
             extras["documents"] = documents
         batch = data.make_batch(
             tokens[:, :-1], tokens[:, 1:], np.ones((batch_size, T), np.float32), **extras
@@ -111,9 +126,11 @@ def parameters(exp) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
 
 
-def measure(model: str) -> dict:
-    """One model's row: its config built with the flags, timed and counted."""
-    config = nc.load(f"configs/lm.py:{model}-{FLAGS.size}")
+def build_step(model: str):
+    """The model's experiment, jitted training step, initial state and ``--steps + 1``
+    batches placed on the mesh, from its config and the flags."""
+    name, _, chunk = model.partition("-c")  # titans-c256: configs/lm.py:titans-<size>-c256
+    config = nc.load(f"configs/lm.py:{name}-{FLAGS.size}" + (f"-c{chunk}" if chunk else ""))
     if FLAGS.batch_size:
         config.train.batch_size = config.train.eval_batch_size = FLAGS.batch_size
     if FLAGS.seq_len:
@@ -125,6 +142,13 @@ def measure(model: str) -> dict:
     step = train.make_train_fn(exp.program, layout)
     B = config.train.batch_size
     batches = [layout.put(b, B, stacked=True) for b in synthetic_batches(exp, B, FLAGS.steps + 1)]
+    return exp, layout, step, state, batches
+
+
+def measure(model: str) -> dict:
+    """One model's row: its config built with the flags, timed and counted."""
+    exp, layout, step, state, batches = build_step(model)
+    B = exp.config.train.batch_size
     began = time.perf_counter()
     state, _ = jax.block_until_ready(step(state, batches[0]))
     compile_s = time.perf_counter() - began
@@ -145,12 +169,28 @@ def measure(model: str) -> dict:
     }
 
 
+def profile(model: str, out: report.Report, peak: float | None) -> None:
+    """Print the per-part breakdown of ``model``'s training step (``step_profile``)."""
+    exp, _, step, state, batches = build_step(model)
+    rows, totals = step_profile.profile(step, (state, batches[0]), steps=FLAGS.steps)
+    tokens = exp.config.train.batch_size * exp.task.seq_len
+    analytic = flops.per_token(exp)["train"] * tokens
+    out.print(
+        f"### {model}-{FLAGS.size}: {tokens:,} tokens a step, analytic "
+        f"{analytic / 1e9:,.3f} GFLOP a step (nested.run.flops)"
+    )
+    out.print()
+    for line in step_profile.tables(rows, totals, peak):
+        out.print(line)
+    out.print()
+
+
 def main(argv):
     del argv
     devices = jax.devices()
     kind = devices[0].device_kind
     machine_peak = devices[0].platform == "cpu" and not FLAGS.peak_tflops
-    out = report.Report("lm_throughput")
+    out = report.Report("lm_profile" if FLAGS.profile else "lm_throughput")
     if FLAGS.peak_tflops:
         peak, source = FLAGS.peak_tflops, "a device, --peak_tflops"
     elif machine_peak:  # simulated CPU devices share the machine's cores
@@ -162,6 +202,14 @@ def main(argv):
         f"{len(devices)} device(s) ({kind}). Peak: "
         f"{'n/a' if peak is None else f'{peak:.3f}'} TFLOP/s, {source}."
     )
+    if FLAGS.profile:
+        out.print(f"{FLAGS.steps} profiled steps after a compiling one.")
+        out.print()
+        for model in FLAGS.models:
+            profile(model, out, peak)
+        if FLAGS.write:
+            out.write()
+        return
     out.print(
         "FLOPs/token: analytic training FLOPs (nested.run.flops.per_token, causal attention, "
         f"inner loops included, no remat); {FLAGS.steps} timed steps after a compiling one, "

@@ -162,7 +162,8 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
         grads = [None] * len(index)
         for objective in objectives:
             seed = jax.grad(lambda lg, o=objective: jnp.sum(o(lg, span)))(logits)
-            (memory_grads,) = pullback(seed)
+            with jax.named_scope("cms_grads"):  # the span's backward pass to the memories
+                (memory_grads,) = pullback(seed)
             for n, i in enumerate(index):
                 level = levels[leaves[i].level]
                 if level.objective == objective:

@@ -335,7 +335,8 @@ class Program:
             documents=batch.get("documents"),
         )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # bf16 -> f32
-        loss, metrics = self.outer.objective(logits, batch)
+        with jax.named_scope("loss"):
+            loss, metrics = self.outer.objective(logits, batch)
         return loss, (metrics, fast)
 
     def train_step(self, state: State, batch) -> tuple[State, dict]:
@@ -347,8 +348,9 @@ class Program:
         """
         batch = self.check_batch(batch)
         (loss, (metrics, fast)), grads = self._gradients(state.params, batch, state.fast)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         flags = guards.health(loss, grads, fast)
         metrics = {**metrics, **flags, "grad_norm": optax.tree.norm(grads)}
         carried = None if state.fast is None else jax.lax.stop_gradient(fast)

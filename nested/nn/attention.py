@@ -52,6 +52,7 @@ def initial_cache(batch_size: int, window: int | None, heads: int, head_dim: int
     }
 
 
+@jax.named_scope("attention")  # a part of lm_throughput --profile
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array) -> jax.Array:
     """Softmax attention ``y_t = sum_s softmax_s(q_t . k_s / sqrt(d)) v_s`` over the allowed keys.
 
@@ -66,6 +67,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array)
 BLOCK = 512  # queries and keys per block of attend_blockwise; longer calls take that path
 
 
+@jax.named_scope("attention")
 def attend_blockwise(
     q: jax.Array,
     keys: jax.Array,
@@ -219,6 +221,7 @@ class SlidingWindowAttention(nnx.Module):
     def initial_state(self, batch_size: int) -> dict:
         return initial_cache(batch_size, self.window, self.heads, self.head_dim)
 
+    @jax.named_scope("attention")
     def __call__(self, x: jax.Array, cache: dict, starts=None) -> tuple[jax.Array, dict]:
         B, T, _ = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * self.heads, self.head_dim), 3, axis=2)

@@ -77,6 +77,10 @@ class ContinuumMemory(nnx.Module):
         """``x (B, T, dim)`` through the blocks at their current parameters; with document
         ``starts (B, T)``, the tokens of a document starting inside ``x`` read the blocks'
         initial parameters (no block updates inside a call)."""
+        with jax.named_scope("cms"):
+            return self._blocks(x, states, starts)
+
+    def _blocks(self, x, states, starts):
         later = None if starts is None else inner.document_begins(starts)[:, :, None] > 0
         blocks = zip(self.levels, self.norms, states, self.initial_params, strict=True)
         for level, norm, state, initial in blocks:

@@ -238,7 +238,8 @@ class SelfModifyingLayer(nnx.Module):
         """``x (B, T, dim) -> (y (B, T, dim), state)``; document ``starts (B, T)``: see the
         module docstring."""
         B, T, dim = x.shape
-        kvq, projections = self._projections(x, state, starts)
+        with jax.named_scope("self_modifying"):  # the projection recurrence
+            kvq, projections = self._projections(x, state, starts)
         memory = state["memory"]
         if self.conv is not None:
             kvq, conv = self.conv(kvq, memory.cache["conv"], starts)

@@ -232,7 +232,8 @@ class MemoryLayer(nnx.Module):
     ) -> tuple[jax.Array, LevelState]:
         """``x (B, T, dim) -> (y (B, T, dim), state)``; with document ``starts (B, T)`` bool
         every document starting inside ``x`` starts from :meth:`initial_state`."""
-        ctx, cache = self.context(x, state.cache, starts)
+        with jax.named_scope("projections"):  # the level's context from x
+            ctx, cache = self.context(x, state.cache, starts)
         if self.turn is None:
             o, state = inner.run(self.level, state, ctx)
         else:

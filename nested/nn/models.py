@@ -32,7 +32,8 @@ class MLPBlock(nnx.Module):
         self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        with jax.named_scope("mlp"):
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 # Rematerialisation of each block in the backward pass (``jax.checkpoint`` policies): "none"
@@ -225,7 +226,8 @@ class MemoryLM(nnx.Module):
         starts = None if documents is None else inner.document_starts(documents)
         # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
         # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
-        x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
+        with jax.named_scope("embedding"):
+            x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
         states = []
         for block, state in zip(self.blocks, fast, strict=True):
             if self.remat == "none":
@@ -236,4 +238,5 @@ class MemoryLM(nnx.Module):
                 run = jax.checkpoint(run, policy=REMAT[self.remat])
                 x, state = run(variables, x, state, starts)
             states.append(state)
-        return self.head(self.norm(x)), tuple(states)
+        with jax.named_scope("head"):
+            return self.head(self.norm(x)), tuple(states)

@@ -145,6 +145,7 @@ def window_samples(prefix: Samples | None, chunk: ChunkInputs, window: int, wind
     return k, v, cc.window_band(g, rows[:, :, :-1]), rows[:, :, :-1], tail
 
 
+@jax.named_scope("state_update")
 def next_carry(
     carry: ScanCarry,
     coef: cc.ChunkCoefficients,
@@ -190,16 +191,19 @@ def minibatch_step(
     chunk: (B, H, C, ...). Returns (carry, o (B, H, C, d_out))."""
     k, v, band, _, prefix = window_samples(carry.prefix, chunk, window, carry.window0)
     seg = None if chunk.starts is None else documents.segments(chunk.begins, chunk.starts)
-    coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
-    theta = cc.theta_coefficients(coef, chunk.step_out)
+    with jax.named_scope("coefficients"):  # momentum and decay recurrences
+        coef = cc.coefficients(chunk.step_in, chunk.mom, chunk.keep, band, seg)
+        theta = cc.theta_coefficients(coef, chunk.step_out)
 
     def run(at, params, momentum):  # gradients at ``at``, reads of the state (params, momentum)
-        grads = mm.sample_grads(at, k, v, form)
-        if clip is not None:
-            grads = mm.clipped(grads, at, clip)
-        if read == "after_write":
-            return grads, mm.dual_read(params, momentum, theta, chunk.q, grads, form)
-        return grads, mm.mlp_apply(at, chunk.q, form)
+        with jax.named_scope("gradients"):
+            grads = mm.sample_grads(at, k, v, form)
+            if clip is not None:
+                grads = mm.clipped(grads, at, clip)
+        with jax.named_scope("reads"):
+            if read == "after_write":
+                return grads, mm.dual_read(params, momentum, theta, chunk.q, grads, form)
+            return grads, mm.mlp_apply(at, chunk.q, form)
 
     if seg is None:
         grads, o = run(carry.params, carry.params, carry.momentum)
