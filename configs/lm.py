@@ -129,6 +129,14 @@ hope            760m       24  1536     16  3328    780M    +2.7%
 hope            1.3b       24  2048     32  4608   1345M    +3.4%
 ==============  =====  ======  ====  =====  ====  ======  =======
 
+Large chunks, a declared choice (LaCT's regime: Zhang et al. 2025, "Test-Time Training Done
+Right", arXiv:2505.23884): the suffix ``-c<C>`` (``titans-125m-c2048``, ``ttt_mlp-small-c256``)
+makes the neural memory (TTT-Linear, TTT-MLP, Titans, ATLAS) update once per chunk of ``C``
+tokens, ``C`` in :data:`LARGE_CHUNKS` (``levels.memory.every = C``; the Titans step range
+``0.05 / C`` a token, as at 16). Every token still reads the state after its own write (the
+dual form); it is a different rule from ``every=16`` (C gradients at one state), not a faster
+way to compute it.
+
 Overrides as usual: ``--config.train.batch_size=64`` (``train.steps`` does not follow it),
 ``--config.task.vocab_size=50304``, ``--config.levels.memory.every=64``.
 """
@@ -252,6 +260,8 @@ ADJUSTED = {
     },
 }
 VARIANTS = tuple(f"{model}-{size}" for model in MODELS for size in SIZES)
+LARGE_CHUNKS = (64, 128, 256, 512, 1024, 2048)  # the ``-c<C>`` suffix: one update per C tokens
+CHUNKED = ("ttt_linear", "ttt_mlp", "titans", "atlas")  # models whose memory takes a suffix
 
 
 def _hope(width: int, periods: tuple[int, ...]) -> tuple[dict, dict]:
@@ -282,8 +292,22 @@ def _schedule(setup: dict, size: str) -> dict:
     return dict(steps=steps, learning_rate=lr, warmup_steps=warmup, min_lr_ratio=ratio)
 
 
+def _large_chunk(variant: str) -> tuple[str, int | None]:
+    """``<model>-<size>-c<C>`` -> (``<model>-<size>``, C); without the suffix, C is None."""
+    head, _, tail = variant.rpartition("-c")
+    if not head or not tail.isdigit():
+        return variant, None
+    model = head.rpartition("-")[0]
+    if int(tail) not in LARGE_CHUNKS or model not in CHUNKED:
+        raise nc.ConfigError(
+            f"configs/lm.py:{variant}: a chunk suffix -c<C> takes C in {list(LARGE_CHUNKS)} "
+            f"and a model of {list(CHUNKED)}"
+        )
+    return head, int(tail)
+
+
 def get_config(arg=None):
-    variant = arg or "transformer-tiny"
+    variant, large_chunk = _large_chunk(arg or "transformer-tiny")
     if variant not in VARIANTS:
         raise nc.ConfigError(
             f"configs/lm.py:{variant}: the variant is <model>-<size>, models {list(MODELS)}, "
@@ -296,6 +320,11 @@ def get_config(arg=None):
     if not on_cpu:
         backbone["heads"] = spec.get("heads", {}).get(size, backbone["heads"])
     model, levels = dict(spec.get("model", {})), spec.get("levels", {})
+    if large_chunk is not None:
+        memory = dict(levels["memory"], every=large_chunk)
+        if "lr_scale" in memory:
+            memory["lr_scale"] = memory["lr_scale"] * CHUNK / large_chunk
+        levels = {**levels, "memory": memory}
     if spec.get("hope"):
         model, levels = _hope(backbone["mlp_hidden"], CMS_PERIODS.get(size, CMS_PERIODS["paper"]))
     if on_cpu and model.get("window"):

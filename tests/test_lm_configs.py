@@ -201,3 +201,18 @@ def test_the_task_aligns_documents_to_the_models_grid(variant, overrides, align)
         align = cfg.levels.memory.every
     assert task.align == align
     assert align is None or align == 1 or align >= 4
+
+
+def test_a_chunk_suffix_declares_the_memory_period_and_scales_the_titans_step():
+    base, large = config("titans-small"), config("titans-small-c256")
+    assert (base.levels.memory.every, large.levels.memory.every) == (lm.CHUNK, 256)
+    # The same step range a token: the recipe's bound is per update of C summed gradients.
+    assert large.levels.memory.lr_scale * 256 == pytest.approx(base.levels.memory.lr_scale * 16)
+    assert large.levels.memory.read == "after_write"  # the dual form reads every token's state
+    assert config("ttt_mlp-125m-c2048").levels.memory.every == 2048
+    large.levels.memory.every = lm.CHUNK  # all else is the model without the suffix
+    assert large.to_dict() == {**base.to_dict(), "levels": large.levels.to_dict()}
+    assert large.levels.memory.lr_scale != base.levels.memory.lr_scale
+    for bad in ("titans-small-c100", "hope-small-c256", "transformer-tiny-c64"):
+        with pytest.raises(nc.ConfigError, match=r"-c<C> takes C in \[64, 128"):
+            config(bad)
