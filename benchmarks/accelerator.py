@@ -13,7 +13,11 @@ Steps, each a subprocess (the first failure stops the script with its exit statu
    ``scaling.py`` (one training step of a 2-layer LM: tokens/s and temporary memory as T
    grows; float32 and bfloat16 compute) at accelerator sizes, each writing its tables, with
    the device's peak memory, into its own ``accelerator_*`` section of
-   ``benchmarks/README.md``.
+   ``benchmarks/README.md``;
+3. ``lm_throughput.py`` at the ``125m`` size (bfloat16 compute, the configs' ``train.dtype``;
+   MFU against the device's nominal dense bf16 peak), the Transformer++ beside the neural
+   memories, a large-chunk Titans among them, 8 sequences of 2048-4096 tokens a step, then
+   ``--profile`` of Hope's step (``accelerator_lm_throughput``, ``accelerator_lm_profile``).
 
 Install the accelerator wheels first (README: ``pip install -e '.[cuda,test]'``).
 """
@@ -41,6 +45,12 @@ FULL = {
         "--dtype",
         "bfloat16",
     ],
+    "lm_throughput": [
+        "--models=transformer,gated_deltanet,titans,titans-c512,ttt_mlp,atlas,hope",
+        "--size=125m",
+        "--batch_size=8",
+    ],
+    "lm_profile": ["--profile", "--models=hope", "--size=125m", "--batch_size=8", "--steps=2"],
 }
 QUICK = {
     "ops_throughput": ["--T", "64", "--runs", "1", "--ops", "delta_rule"],
@@ -57,7 +67,11 @@ QUICK = {
         "--dtype",
         "bfloat16",
     ],
+    "lm_throughput": ["--models=transformer,titans-c64", "--size=tiny", "--steps=1"],
+    "lm_profile": ["--profile", "--models=titans", "--size=tiny", "--steps=1"],
 }
+# The absl scripts spell the write flags their own way (and name their own sections).
+ABSL = {"lm_throughput", "lm_profile"}
 TESTS = ["tests/test_kernels.py", "tests/test_ops_linear.py", "tests/test_ops_neural.py"]
 
 
@@ -80,7 +94,9 @@ def main():
         run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", *tests])
     for name, options in (QUICK if args.quick else FULL).items():
         write = ["--no-write"] if args.no_write else ["--section", f"accelerator_{name}"]
-        script = name.removesuffix("_bf16")
+        if name in ABSL:
+            write = ["--nowrite"] if args.no_write else [f"--section=accelerator_{name}"]
+        script = "lm_throughput" if name in ABSL else name.removesuffix("_bf16")
         run([sys.executable, f"benchmarks/{script}.py", *options, *write])
 
 

@@ -73,6 +73,7 @@ flags.DEFINE_integer("seq_len", None, "Tokens a sequence (default: the config's)
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device (default: measured / table).")
 flags.DEFINE_integer("cpu_devices", None, "Simulated CPU devices (XLA flag, set before JAX).")
 flags.DEFINE_boolean("write", True, "Write the table into benchmarks/README.md.")
+flags.DEFINE_string("section", None, "The README section (default lm_throughput / lm_profile).")
 flags.DEFINE_boolean("profile", False, "Per-part time and FLOPs of each model's step instead.")
 
 # Nominal dense bf16 peaks per device, TFLOP/s (vendor figures: NVIDIA's H100/H200 SXM and
@@ -190,7 +191,7 @@ def main(argv):
     devices = jax.devices()
     kind = devices[0].device_kind
     machine_peak = devices[0].platform == "cpu" and not FLAGS.peak_tflops
-    out = report.Report("lm_profile" if FLAGS.profile else "lm_throughput")
+    out = report.Report(FLAGS.section or ("lm_profile" if FLAGS.profile else "lm_throughput"))
     if FLAGS.peak_tflops:
         peak, source = FLAGS.peak_tflops, "a device, --peak_tflops"
     elif machine_peak:  # simulated CPU devices share the machine's cores
