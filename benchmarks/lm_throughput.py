@@ -217,17 +217,32 @@ def main(argv):
         "median."
     )
     out.print()
-    out.print("| model | size | mesh | params | FLOPs/token | tokens/s | TFLOP/s | MFU |")
-    out.print("|---|---|---|---|---|---|---|---|")
+    out.print(
+        "vs Transformer++: the row's MFU over the transformer's and its step time over the "
+        "transformer's (tokens/s ratio), both measured in this run (the transformer first)."
+    )
+    out.print()
+    out.print(
+        "| model | size | mesh | params | FLOPs/token | tokens/s | TFLOP/s | MFU | "
+        "MFU vs Transformer++ | step time vs Transformer++ |"
+    )
+    out.print("|---|---|---|---|---|---|---|---|---|---|")
+    baseline = None  # the transformer's (MFU, tokens/s)
     for model in FLAGS.models:
         row = measure(model)
         achieved = row["tokens_per_s"] * row["flops"] / 1e12
         whole = None if peak is None else peak * (1 if machine_peak else row["devices"])
-        mfu = "n/a" if whole is None else f"{achieved / whole:.1%}"
+        mfu = None if whole is None else achieved / whole
+        if model == "transformer":
+            baseline = (mfu, row["tokens_per_s"])
+        relative = step = ""
+        if baseline is not None:
+            relative = "" if mfu is None else f"{mfu / baseline[0]:.2f}"
+            step = f"{baseline[1] / row['tokens_per_s']:.2f}x"
         line = (
             f"| {model} | {FLAGS.size} | {row['mesh']} | {row['params'] / 1e6:.2f}M | "
             f"{row['flops'] / 1e6:,.1f}M | {row['tokens_per_s']:,.0f} | {achieved:.4f} | "
-            f"{mfu} |"
+            f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {relative} | {step} |"
         )
         out.print(line)
     if FLAGS.write:
