@@ -193,16 +193,19 @@ class SelfModifyingLayer(nnx.Module):
         items = {"x": x, "gates": gates}
         scan = lambda carry, xs: jax.lax.scan(jax.checkpoint(self._period), carry, xs)
         if starts is None:
-            full = T // C * C
+            # A scan over two or more whole periods; a single one and a last partial one run
+            # as calls (no loop: an unused final state is then dead code to a pullback).
+            looped = T // C * C if T >= 2 * C else 0
             outputs, carry = [], (state["projections"], cache, None)
             with probes.repeated("Hope's projection periods (a scan over chunks)"):
-                if full:
+                if looped:
                     carry, (kvq, _) = scan(
-                        carry, chunks(jax.tree.map(lambda a: a[:, :full], items), full)
+                        carry, chunks(jax.tree.map(lambda a: a[:, :looped], items), looped)
                     )
-                    outputs.append(jnp.moveaxis(kvq, 0, 1).reshape(B, full, 3, dim))
-            if full < T:
-                carry, (kvq, _) = self._period(carry, jax.tree.map(lambda a: a[:, full:], items))
+                    outputs.append(jnp.moveaxis(kvq, 0, 1).reshape(B, looped, 3, dim))
+            for begin in range(looped, T, C):
+                piece = jax.tree.map(lambda a, b=begin: a[:, b : b + C], items)
+                carry, (kvq, _) = self._period(carry, piece)
                 outputs.append(kvq)
             return jnp.concatenate(outputs, axis=1), carry[0]
         padded = -(-T // C) * C

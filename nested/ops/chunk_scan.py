@@ -406,7 +406,11 @@ def scan_chunks(step: Callable, carry, seq: ChunkInputs, *, chunk_size: int):
         body = jax.checkpoint(
             lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False, policy=keep
         )
-    carry, o = jax.lax.scan(body, carry, xs)
+    if n_chunks == 1:  # no loop: an unused final state is then dead code to a pullback
+        carry, o = body(carry, jax.tree.map(lambda x: x[0], xs))
+        o = o[None]
+    else:
+        carry, o = jax.lax.scan(body, carry, xs)
     o = o.reshape(n_chunks, *o.shape[-4:])
     o = jnp.moveaxis(o, (0, 2), (1, 3))  # (B, n, C, H, d)
     o = o.reshape(batch, n_chunks * chunk_size, *o.shape[3:])
