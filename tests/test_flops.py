@@ -19,9 +19,10 @@ work at 1 FLOP per element: norms, gates, masks, the block-doubling inverse's sm
 5-12% here) and within 5% of the FLOPs of the ``dot`` instructions of the compiled HLO (the
 products the formulas count; the rest of that gap is the short sequences' edges: the first
 chunk's momentum is a constant zero with no cotangent, the last chunk's state has none to
-pass on). Hope's CMS gradients also run the backward of the span's fast-state updates, whose
-cotangents are zeros (JAX's vjp of a chunk scan instantiates the carry's tangent): not model
-FLOPs, reported as ``cms_grads_carry`` and added to the analytic count here (3x in training).
+pass on). Where a span loops over several chunks, Hope's CMS gradients also run the backward
+of the span's fast-state updates, whose cotangents are zeros (JAX's vjp of a chunk scan
+instantiates the carry's tangent): not model FLOPs, reported as ``cms_grads_carry`` and added
+to the analytic count here (3x in training). A span of one chunk runs without a loop: none.
 """
 
 from __future__ import annotations

@@ -343,12 +343,15 @@ def inner_loop(level, T: int, heads: int) -> Inner:
             f"level {level.name!r}: the online neural memories (every=1) are not counted"
         )
     layers = _layers(level.memory)
-    n = math.ceil(T / level.every) * heads / T  # chunks a token; a last partial one is padded
+    count = math.ceil(T / level.every)  # chunks; a last partial one is padded
+    n = count * heads / T
     if kernel.name == "neural_gradient_descent":
         rule = level.rule
         titans = not (rule.momentum is None and rule.decay is None and level.read == "after_write")
         chunk = neural_chunk(layers, level.every, titans=titans, read=level.read)
-        return Inner(chunk.flops * n, chunk.pullback * n, chunk.carry * n)
+        # A single chunk runs without a loop: its unused next state is dead code, no carry.
+        carry = chunk.carry * n if count > 1 else 0.0
+        return Inner(chunk.flops * n, chunk.pullback * n, carry)
     if kernel.name == "atlas":
         objective = level.objective
         window = objective.window if isinstance(objective, objectives.Omega) else 1
@@ -390,12 +393,15 @@ def _context(level, d, h, T, model, attention) -> dict[str, Flops]:
 def _self_modifying(level, projections, d, h, T, model) -> tuple[dict[str, Flops], Inner]:
     """Hope's mixer (``nested.nn.hope.SelfModifyingLayer``), per token; as an :class:`Inner`
     its pullback and carry (of the memory's next state, and of the projections' update:
-    ``P v`` and the reads ``6 + 12 d^2`` once, the next states ``6 d^2`` twice)."""
+    ``P v`` and the reads ``6 + 12 d^2`` once, the next states ``6 d^2`` twice; none where a
+    single period runs, without a loop)."""
     C = projections.every
+    looped = T >= 2 * C
     parts = {"projections": Flops(), "inner": Flops(), "self_modifying": Flops()}
     pullback = carry = 0.0
     gates = 2 * d * h * len(level.gates) + 2 * d * 3 * len(projections.gates)
     conv = 2 * model.conv * 3 * d if model.conv > 1 else 0
+    memory_carry = inner_loop(level, T, h).carry or 0.0
     for t in _chunks(T, C):
         inner = inner_loop(level, t, h)
         if inner.pullback is None:
@@ -406,11 +412,11 @@ def _self_modifying(level, projections, d, h, T, model) -> tuple[dict[str, Flops
         parts["projections"] += dots((gates + conv) * t)
         pullback += (6 * d * d + conv + 2 * d * h * len(level.gates) + inner.pullback) * t
         # The update's reads (2/3 of it) and P v once, its next states (1/3) twice.
-        carry += inner.carry * t + update.forward * 4 / 3 + 6 * d * d * t
+        carry += (update.forward * 4 / 3 + 6 * d * d * t) * looped
     parts = {k: v * (1 / T) for k, v in parts.items()}
     readout = 2 * d * d * model.output_gate + 2 * d * d
     parts["projections"] += dots(readout)
-    return parts, Inner(Flops(), pullback / T + readout, carry / T)
+    return parts, Inner(Flops(), pullback / T + readout, carry / T + memory_carry)
 
 
 def _cms(levels, d: int, L: int, V: int, mixer: Inner) -> dict[str, Flops]:
@@ -477,7 +483,9 @@ def per_token(config, *, attention: str = "causal", seq_len: int | None = None) 
         add(_context(level, d, h, T, model, attention), L)
     elif mixer == "self_modifying":
         projections = exp.system[model.projections]
-        layer, mixer_inner = _self_modifying(level, projections, d, h, T, model)
+        # With CMS blocks the mixer runs span by span (nested.core.outer_loss).
+        span = min((exp.system[name].every for name in model.cms or ()), default=T)
+        layer, mixer_inner = _self_modifying(level, projections, d, h, min(span, T), model)
         add(layer, L)
     else:
         raise NotImplementedError(f"model.mixer={mixer!r} is not counted")
