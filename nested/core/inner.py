@@ -50,7 +50,7 @@ import optax
 
 from nested.core import probes
 from nested.core.level import Level, LevelState
-from nested.ops import kernels
+from nested.ops import kernels, loops
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -496,8 +496,8 @@ def _run_one_documents(level, params, opt_state, initial, items, flags, n_blocks
         return (params, opt_state, start), level.memory.apply(read_params, item["q"])
 
     blocks = jax.tree.map(lambda x: x.reshape(n_blocks, -1, *x.shape[1:]), (items, flags))
-    block_step = jax.checkpoint(lambda carry, block: jax.lax.scan(token, carry, block))
-    (params, opt_state, _), o = jax.lax.scan(block_step, (params, opt_state, params), blocks)
+    block_step = lambda carry, block: jax.lax.scan(token, carry, block)
+    (params, opt_state, _), o = loops.remat_scan(block_step, (params, opt_state, params), blocks)
     return o.reshape(-1, o.shape[-1]), params, opt_state
 
 

@@ -44,7 +44,7 @@ import optax
 
 from nested.core import inner, probes
 from nested.core.level import Level, LevelState
-from nested.ops import documents
+from nested.ops import documents, loops
 
 
 class Accumulated(NamedTuple):
@@ -181,5 +181,5 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
         probes.repeated("the model runs period by period for outer-loss levels (a scan)"),
         documents.on_grid(math.gcd(documents.grid(), w)),  # the grid of a span's positions
     ):
-        fast, logits = jax.lax.scan(jax.checkpoint(partial(step, packed=packed)), fast, spans)
+        fast, logits = loops.remat_scan(partial(step, packed=packed), fast, spans)
     return jnp.moveaxis(logits, 0, 1).reshape(B, T, -1), fast

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
+from nested.ops import loops
 
 
 def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
@@ -140,7 +141,7 @@ def attend_blockwise(
             jnp.zeros((B, H, block), dtype),
             jnp.zeros((B, block, H, d), dtype),
         )
-        (_, l, a), _ = jax.lax.scan(jax.checkpoint(visit), start, jnp.arange(reach))
+        (_, l, a), _ = loops.remat_scan(visit, start, jnp.arange(reach))
         l = jnp.where(l > 0, l, 1.0)  # padding queries (past T) may see nothing
         return a / jnp.moveaxis(l, 1, 2)[..., None]
 

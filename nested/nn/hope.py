@@ -41,7 +41,7 @@ from flax import nnx
 from nested.core import inner, probes
 from nested.core.level import InitialState, Level
 from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
-from nested.ops import documents
+from nested.ops import documents, loops
 
 
 class SelfModifyingLayer(nnx.Module):
@@ -191,21 +191,18 @@ class SelfModifyingLayer(nnx.Module):
             lambda a: jnp.moveaxis(a.reshape(B, n // C, C, *a.shape[2:]), 1, 0), tree
         )
         items = {"x": x, "gates": gates}
-        scan = lambda carry, xs: jax.lax.scan(jax.checkpoint(self._period), carry, xs)
+        scan = lambda carry, xs: loops.remat_scan(self._period, carry, xs)
         if starts is None:
-            # A scan over two or more whole periods; a single one and a last partial one run
-            # as calls (no loop: an unused final state is then dead code to a pullback).
-            looped = T // C * C if T >= 2 * C else 0
+            full = T // C * C
             outputs, carry = [], (state["projections"], cache, None)
             with probes.repeated("Hope's projection periods (a scan over chunks)"):
-                if looped:
+                if full:
                     carry, (kvq, _) = scan(
-                        carry, chunks(jax.tree.map(lambda a: a[:, :looped], items), looped)
+                        carry, chunks(jax.tree.map(lambda a: a[:, :full], items), full)
                     )
-                    outputs.append(jnp.moveaxis(kvq, 0, 1).reshape(B, looped, 3, dim))
-            for begin in range(looped, T, C):
-                piece = jax.tree.map(lambda a, b=begin: a[:, b : b + C], items)
-                carry, (kvq, _) = self._period(carry, piece)
+                    outputs.append(jnp.moveaxis(kvq, 0, 1).reshape(B, full, 3, dim))
+            if full < T:
+                carry, (kvq, _) = self._period(carry, jax.tree.map(lambda a: a[:, full:], items))
                 outputs.append(kvq)
             return jnp.concatenate(outputs, axis=1), carry[0]
         padded = -(-T // C) * C

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from nested.ops import chunk_coefficients as cc
-from nested.ops import documents, online
+from nested.ops import documents, loops, online
 from nested.ops import mlp_memory as mm
 
 Array = jax.Array
@@ -400,17 +400,10 @@ def scan_chunks(step: Callable, carry, seq: ChunkInputs, *, chunk_size: int):
 
     xs = ChunkInputs(*map(to_chunks, seq, INERT))
     keep = jax.checkpoint_policies.save_only_these_names(online.SAVED)
-    body = jax.checkpoint(step, prevent_cse=False, policy=keep)
+    body = step
     if group > 1:
-        inner = body
-        body = jax.checkpoint(
-            lambda c, x: jax.lax.scan(inner, c, x), prevent_cse=False, policy=keep
-        )
-    if n_chunks == 1:  # no loop: an unused final state is then dead code to a pullback
-        carry, o = body(carry, jax.tree.map(lambda x: x[0], xs))
-        o = o[None]
-    else:
-        carry, o = jax.lax.scan(body, carry, xs)
+        body = lambda c, x: loops.remat_scan(step, c, x, policy=keep)
+    carry, o = loops.remat_scan(body, carry, xs, policy=keep)
     o = o.reshape(n_chunks, *o.shape[-4:])
     o = jnp.moveaxis(o, (0, 2), (1, 3))  # (B, n, C, H, d)
     o = o.reshape(batch, n_chunks * chunk_size, *o.shape[3:])

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nested.ops import documents
+from nested.ops import documents, loops
 from nested.ops.triangular import unit_lower_inverse
 
 # Chunk lengths of ``chunk_size=None``: the fastest exact ones on XLA:CPU (2 cores), measured
@@ -177,7 +177,7 @@ def delta_family(
         begins = starts if exact else documents.period_begins(starts, chunk_size)
         docs = tuple(_to_chunks(x[:, :, None, None], size)[..., 0] for x in (begins, starts))
         carry = state if exact else (state, state)
-    carry, o = jax.lax.scan(jax.checkpoint(step), carry, xs + halos + (docs,))
+    carry, o = loops.remat_scan(step, carry, xs + halos + (docs,))
     o = jnp.moveaxis(o, 0, 2)  # (B, H, N, C, d_v)
     o = o.reshape(b, h, -1, dv)[:, :, :t]
     return jnp.swapaxes(o, 1, 2), carry if starts is None or exact or on_grid else carry[1]
