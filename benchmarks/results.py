@@ -40,7 +40,7 @@ import numpy as np
 import report
 from absl import app, flags
 
-from nested.learn import recipes
+from nested.levels import recipes
 from nested.plasticity import transfer
 from nested.run import config as nc
 from nested.run import metrics

@@ -18,9 +18,10 @@ from pathlib import Path
 from absl import flags
 from tqdm import tqdm
 
+from nested import files
 from nested.companion import study
 from nested.data import CompanionTask
-from nested.run import cli, loading, train
+from nested.run import cli, loading
 
 _DEFAULTS = study.Settings()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the trained companion run.")
@@ -68,7 +69,7 @@ def main(argv):
         with tqdm(total=total, unit="step", file=sys.stderr, disable=None) as bar:
             result = study.run(trained, settings, progress=bar.update)
         out = Path(_WORKDIR.value) / "companion_study.json"
-        train.write_atomic(out, json.dumps(result, indent=1) + "\n")
+        files.write_atomic(out, json.dumps(result, indent=1) + "\n")
         print(study.format_summary(result))
         print(f"results: {out}")
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from absl import flags
 from tqdm import tqdm
 
+from nested import files
 from nested.plasticity import budget, report
-from nested.run import cli, loading, train
+from nested.run import cli, loading
 
 _DEFAULTS = report.Settings()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to measure.")
@@ -89,7 +90,7 @@ def main(argv):
                 sys.exit(f"error: {' '.join(str(error).split())}")
         result["budget"] = spent._asdict()
         out = Path(_OUT.value or Path(_WORKDIR.value) / "plasticity.json")
-        train.write_atomic(out, json.dumps(result, indent=1) + "\n")
+        files.write_atomic(out, json.dumps(result, indent=1) + "\n")
         plots = report.plot(result, out.parent)
         for protocol, why in result["skipped"].items():
             print(f"skipped {protocol}: {why}")

@@ -16,7 +16,8 @@ from nested.core.inner import Context
 from nested.core.level import Level, LevelState
 from nested.core.scheduler import Program, State, compile
 from nested.core.system import NestedSystem
-from nested.learn import memories, objectives, recipes, rules
+from nested.learn import memories, objectives, rules
+from nested.levels import recipes
 
 _RUN = {
     "load": "loading",

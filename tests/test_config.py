@@ -12,7 +12,8 @@ from ml_collections import config_dict
 from test_hope import hope_program
 
 from nested import data
-from nested.learn import memories, objectives, recipes
+from nested.learn import memories, objectives
+from nested.levels import recipes
 from nested.nn.cms import ContinuumMemory
 from nested.nn.hope import SelfModifyingLayer
 from nested.run import config as nc
@@ -197,7 +198,7 @@ def test_unknown_rule_names_the_key_and_the_registered_rules():
 
 def test_a_rule_by_import_path_and_each_way_it_can_be_wrong(tmp_path, monkeypatch):
     (tmp_path / "rules_of_test_config.py").write_text(
-        "from nested.learn import recipes\n\n\n"
+        "from nested.levels import recipes\n\n\n"
         "def my_delta(name='memory', *, d_k, d_v, **level_kwargs):\n"
         "    return recipes.delta(name, d_k=d_k, d_v=d_v, **level_kwargs)\n\n\n"
         "def not_a_recipe(name='memory', *, d_k, d_v, **level_kwargs):\n"

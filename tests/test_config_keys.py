@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tiny_configs
 
-from nested.learn import recipes
+from nested.levels import recipes
 from nested.run import config as nc
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema

@@ -17,12 +17,12 @@ from flax import nnx
 from test_kernels import context as kernel_context
 
 import nested as nl
-from nested.core import inner
+from nested.core import inner, kernels
 from nested.data.tokens import align_documents, document_ids
 from nested.nn.attention import SlidingWindowAttention
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
-from nested.ops import documents, kernels
+from nested.ops import documents
 
 # Document lengths of each row (B = 2 rows of T = 10), none a multiple of the chunks below.
 DOCUMENTS = ((4, 6), (2, 5, 3))

@@ -10,7 +10,7 @@ import time
 import pytest
 import tiny_configs
 
-from nested.learn import recipes
+from nested.levels import recipes
 from nested.run import metrics, train
 
 ROOT = tiny_configs.ROOT

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from nested import ops
-from nested.core import inner
-from nested.ops import documents, kernels
+from nested.core import inner, kernels
+from nested.ops import documents
 
 B, H, T = 2, 2, 70
 STARTS = ((5, 32, 45), (16, 17, 64))  # per batch row: positions where a document starts

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import nested as nl
-from nested.core import inner
-from nested.ops import kernels
+from nested.core import inner, kernels
 
 B, H = 2, 2
 

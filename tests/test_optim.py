@@ -9,7 +9,7 @@ import pytest
 
 import nested as nl
 from nested.core import inner
-from nested.learn import optim
+from nested.levels import optim
 
 
 def problem(seed=0):

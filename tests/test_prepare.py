@@ -200,7 +200,7 @@ def test_failure_while_writing_leaves_nothing(data, tmp_path, monkeypatch):
     def cut(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(corpus, "write_json_atomic", cut)
+    monkeypatch.setattr(corpus.files, "write_atomic", cut)
     with pytest.raises(KeyboardInterrupt):
         corpus.prepare([str(root)], out, tokenizer="bpe", vocab_size=300, shard_tokens=40)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -15,7 +15,7 @@ import tiny_configs
 
 import nested as nl
 from nested.core import guards
-from nested.learn import recipes
+from nested.levels import recipes
 from nested.run import checkpoint, cli, locks, metrics, train
 from nested.run import config as nc
 
@@ -289,7 +289,7 @@ def test_a_rule_named_by_import_path_trains_and_its_workdir_evaluates_alone(tmp_
     """``levels.memory.rule=module:function``: no registration, and config.json holds the
     path, so evaluating the workdir needs nothing else."""
     (tmp_path / "user_rules_of_test_train.py").write_text(
-        "from nested.learn import recipes\n\n\n"
+        "from nested.levels import recipes\n\n\n"
         "def my_delta(name='memory', *, d_k, d_v, **level_kwargs):\n"
         "    return recipes.delta(name, d_k=d_k, d_v=d_v, **level_kwargs)\n"
     )

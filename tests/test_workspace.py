@@ -10,8 +10,7 @@ import test_kernels
 import tiny_configs
 
 import nested as nl
-from nested.core import inner
-from nested.ops import kernels
+from nested.core import inner, kernels
 
 
 @pytest.fixture(scope="module")

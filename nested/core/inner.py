@@ -30,7 +30,7 @@ its last partial chunk ends at its end. The row's first document continues ``sta
 without starts. The generic path does this with a scan over tokens carrying ``theta_s``
 (:func:`run_documents`); a kernel runs such a context only if it declares ``documents=True``.
 
-``run`` uses a kernel of :mod:`nested.ops.kernels` instead when one implements the level as
+``run`` uses a kernel of :mod:`nested.core.kernels` instead when one implements the level as
 declared (``path="auto"``); ``path="generic"`` always runs the loop above, and
 ``path="kernel"`` demands a kernel, raising an error that says why none implements the level.
 While a probe of :mod:`nested.core.probes` selects the level, the probe runs it instead
@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested.core import probes
+from nested.core import kernels, probes
 from nested.core.level import Level, LevelState
-from nested.ops import kernels, loops
+from nested.ops import loops
 
 DEFAULT_BLOCK_TOKENS = 64
 
@@ -175,7 +175,7 @@ def kernel_for(level: Level, path: str = "auto", *, documents: bool = False):
         raise ValueError(
             f"level {level.name!r}: no kernel implements this declaration ({why}); run it with "
             f"path='auto' or 'generic' (the generic inner loop), or register a kernel in "
-            f"nested.ops.kernels"
+            f"nested.core.kernels"
         )
     return kernel
 

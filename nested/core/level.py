@@ -88,7 +88,7 @@ class Level:
     applied state). The generic loop runs it.
 
     Which code runs the level follows from these fields alone: a kernel of
-    :mod:`nested.ops.kernels` where one implements exactly this declaration, else the generic
+    :mod:`nested.core.kernels` where one implements exactly this declaration, else the generic
     inner loop (:func:`nested.core.inner.run`). Equal declarations compare and hash equal.
     """
 

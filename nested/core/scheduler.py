@@ -48,9 +48,7 @@ import optax
 from flax import nnx, struct
 
 from nested.core import guards, inner, outer_loss, probes
-from nested.core.level import InitialState, Level, LevelState
-from nested.core.system import NestedSystem
-from nested.data.batch import (
+from nested.core.batch import (
     Batch,
     as_arrays,
     check_arrays,
@@ -58,6 +56,8 @@ from nested.data.batch import (
     check_documents,
     check_tokens,
 )
+from nested.core.level import InitialState, Level, LevelState
+from nested.core.system import NestedSystem
 from nested.ops import documents as nested_documents
 
 

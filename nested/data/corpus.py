@@ -68,13 +68,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nested import files
 
 FORMAT = "nested-tokens/1"
 INDEX = "index.json"
@@ -362,13 +363,6 @@ class _ShardWriter:
         return self.shards
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """``path`` replaced by ``value`` as JSON in one rename."""
-    fresh = path.with_name(path.name + ".tmp")
-    fresh.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(fresh, path)
-
-
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out}: is a file, not a folder; give a folder path")
@@ -502,7 +496,7 @@ def prepare(
             "dtype": dtype.name,
             "splits": {s: {**counts[s], "shards": writers[s].finish()} for s in SPLITS},
         }
-        write_json_atomic(out / INDEX, index)
+        files.write_atomic(out / INDEX, json.dumps(index, indent=1) + "\n")
     except BaseException:
         for writer in writers.values():
             writer.finish()

@@ -1,2 +1,2 @@
-"""What levels are made of: memories, objectives, update rules, optimizers as levels, and the
-named memory rules as level recipes (pure declarations)."""
+"""What levels are made of: memories, objectives and update rules (pure declarations). The
+ready-made levels built from them are :mod:`nested.levels`."""

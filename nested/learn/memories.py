@@ -14,20 +14,20 @@ reads ``W k``. Any object with ``d_k``, ``d_v``, ``init`` and ``apply`` is a mem
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-Params = Any
+from nested.ops.functions import (  # noqa: F401 - part of this module's API
+    ACTIVATIONS,
+    layer_norm,
+    mlp_forward,
+    mlp_output,
+    polynomial_features,
+)
 
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": jax.nn.gelu,
-    "silu": jax.nn.silu,
-    "relu": jax.nn.relu,
-    "tanh": jnp.tanh,
-}
+Params = Any
 
 
 class Memory(Protocol):
@@ -80,35 +80,6 @@ class Linear:
         return _rows_times(k, params[0]["w"])
 
 
-def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """LayerNorm over the last axis without gain or bias."""
-    centred = x - jnp.mean(x, axis=-1, keepdims=True)
-    return centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-
-
-def mlp_forward(
-    linear: Callable[[int, jax.Array], jax.Array],
-    x: jax.Array,
-    depth: int,
-    act: Callable[[jax.Array], jax.Array],
-    residual_norm: bool = False,
-    norm_eps: float = 1e-6,
-) -> jax.Array:
-    """The MLP memory network with each layer's affine map given by ``linear(layer, input)``:
-    ``f(x) = L_depth(act(... act(L_1 x)))``, or ``x + LN(f(x))`` with ``residual_norm``.
-    Shared by :class:`MLP` and the chunked ops (:mod:`nested.ops.mlp_memory`)."""
-    u = x
-    for layer in range(depth):
-        z = linear(layer, u)
-        u = act(z) if layer < depth - 1 else z
-    return mlp_output(x, u, residual_norm, norm_eps)
-
-
-def mlp_output(x: jax.Array, u: jax.Array, residual_norm: bool, norm_eps: float) -> jax.Array:
-    """The network's output from its last layer's ``u``: ``u``, or ``x + LN(u)`` (TTT form)."""
-    return x + layer_norm(u, norm_eps) if residual_norm else u
-
-
 @dataclasses.dataclass(frozen=True)
 class MLP:
     """Neural memory ``f_theta(k) = W_L s(... s(W_1 k))`` of ``depth`` layers (Type II).
@@ -158,15 +129,6 @@ class MLP:
             ACTIVATIONS[self.activation],
             self.residual,
         )
-
-
-def polynomial_features(x: jax.Array, degree: int = 2) -> jax.Array:
-    """``phi(x) = [x, x^2/2!, ..., x^p/p!]`` elementwise, concatenated: ``d -> p d``."""
-    powers, term = [], jnp.ones_like(x)
-    for p in range(1, degree + 1):
-        term = term * x / p
-        powers.append(term)
-    return jnp.concatenate(powers, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ multiplies by ``exp(a)``; one of size ``"d_k"`` scales the key axis (the last ax
 ``W (d_v, d_k)``: ``W diag(a)``, MemT's diagonal forget gate).
 
 The rules of the seeds are frozen dataclasses, so equal declarations compare (and hash)
-equal and a rebuilt level hits jit's cache; kernels (:mod:`nested.ops.kernels`) read their
+equal and a rebuilt level hits jit's cache; kernels (:mod:`nested.core.kernels`) read their
 fields to decide whether they implement a level:
 
 * :class:`GradientDescent` (also ``gradient_descent``, and ``sgd`` without momentum)::
@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.core import FrozenDict
+
+from nested.ops.functions import MUON_COEFFS, newton_schulz  # noqa: F401 - this module's API
 
 GateKind = Literal["unit", "positive", "log_decay"]
 _GATE_KINDS = ("unit", "positive", "log_decay")
@@ -219,29 +221,6 @@ def decay_by_gate(spec: GateSpec) -> optax.GradientTransformationExtraArgs:
 def orthogonalize(steps: int = 5) -> optax.GradientTransformationExtraArgs:
     """``u -> NS(u)`` (:func:`newton_schulz`) for matrix-shaped updates, identity otherwise."""
     return _stateless(lambda u, params, gates: _orthogonalized(u, steps))
-
-
-MUON_COEFFS = (3.4445, -4.7750, 2.0315)
-
-
-def newton_schulz(
-    x: jax.Array, steps: int = 5, coeffs: tuple[float, float, float] = MUON_COEFFS, eps=1e-7
-) -> jax.Array:
-    """Approximate orthogonalisation ``U V^T`` of ``x = U S V^T`` (Muon, Jordan et al. 2024).
-
-    ``x (..., m, n)`` is scaled to unit Frobenius norm, smoothly (``x / sqrt(|x|^2 + eps^2)``,
-    differentiable at 0), then ``steps`` quintic iterations ``X <- a X + (b A + c A^2) X`` with
-    ``A = X X^T`` on the short side push its singular values towards 1 (Muon's coefficients
-    leave them in about [0.7, 1.2]).
-    """
-    a, b, c = coeffs
-    wide = x.shape[-2] <= x.shape[-1]
-    x = x if wide else jnp.swapaxes(x, -1, -2)
-    x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True) + eps**2)
-    for _ in range(steps):
-        gram = x @ jnp.swapaxes(x, -1, -2)
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x if wide else jnp.swapaxes(x, -1, -2)
 
 
 # -- the typed rules --------------------------------------------------------------------------

@@ -37,12 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nested.learn.memories import polynomial_features  # noqa: F401 - re-exported by nested.ops
-from nested.learn.rules import newton_schulz
 from nested.ops import chunk_coefficients as cc
 from nested.ops import chunk_scan as cs
 from nested.ops import documents, validation
 from nested.ops import mlp_memory as mm
+from nested.ops.functions import newton_schulz, polynomial_features  # noqa: F401 - re-exported
 
 
 class AtlasState(NamedTuple):

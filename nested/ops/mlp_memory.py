@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested.learn.memories import ACTIVATIONS, mlp_forward
+from nested.ops.functions import ACTIVATIONS, mlp_forward
 
 Array = jax.Array
 Params = tuple[dict[str, Array], ...]

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from nested.learn.memories import mlp_output
 from nested.ops import mlp_memory as mm
+from nested.ops.functions import mlp_output
 
 Array = jax.Array
 
@@ -70,7 +70,7 @@ def _token_rows(coef: mm.ThetaCoefficients) -> mm.ThetaCoefficients:
 
 
 def _head_delta(form: mm.MemoryForm, z: Array, v: Array, x0: Array | None) -> Array:
-    """delta of the last layer: d/dz 1/2 |out(z) - v|^2, out = ``memories.mlp_output``."""
+    """delta of the last layer: d/dz 1/2 |out(z) - v|^2, out = ``functions.mlp_output``."""
     out, pullback = jax.vjp(lambda z: mlp_output(x0, z, form.residual_norm, form.norm_eps), z)
     return pullback(out - v)[0]
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nested.learn.memories import ACTIVATIONS
 from nested.ops.chunk_scan import READS
+from nested.ops.functions import ACTIVATIONS
 
 
 def _fail(name: str, expected: str, got, fix: str = "") -> None:

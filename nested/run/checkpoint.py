@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
+from nested import files
 from nested.run import distributed
 
 _policies = ocp.checkpoint_managers
@@ -192,9 +193,7 @@ def pin(directory: str | Path, name: str, steps) -> None:
         path.unlink(missing_ok=True)
         return
     folder.mkdir(parents=True, exist_ok=True)
-    fresh = path.with_name(path.name + ".tmp")
-    fresh.write_text(json.dumps({"steps": sorted(int(s) for s in steps)}))
-    os.replace(fresh, path)
+    files.write_atomic(path, json.dumps({"steps": sorted(int(s) for s in steps)}))
 
 
 def pinned(directory: str | Path) -> set[int]:

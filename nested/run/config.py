@@ -30,7 +30,8 @@ from nested import data
 from nested.core.level import Level
 from nested.core.scheduler import Program, compile
 from nested.core.system import NestedSystem
-from nested.learn import objectives, recipes
+from nested.learn import objectives
+from nested.levels import recipes
 from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema

@@ -42,7 +42,7 @@ import optax
 from ml_collections import config_dict
 
 from nested import data
-from nested.learn import recipes
+from nested.levels import recipes
 from nested.nn.frequencies import MultiFrequencyMemory
 from nested.nn.hybrid import MemoryAsContext
 from nested.nn.layers import MemoryLayer

@@ -21,7 +21,6 @@ the model expects.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from flax import nnx, serialization
 from ml_collections import config_dict
 
+from nested import files
 from nested.run import config as config_lib
 from nested.run import fingerprint
 from nested.run.loading import Trained
@@ -85,10 +85,7 @@ def export_model(path: str | Path, trained: Trained, *, fast=None) -> Path:
     if fast is not None:
         content["fast"] = _flat(fast)
     path = Path(path)
-    fresh = path.with_name(path.name + ".tmp")
-    fresh.write_bytes(serialization.msgpack_serialize(content))
-    os.replace(fresh, path)
-    return path
+    return files.write_atomic(path, serialization.msgpack_serialize(content))
 
 
 def import_model(path: str | Path, config: config_dict.ConfigDict | None = None) -> Trained:

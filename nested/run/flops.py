@@ -107,9 +107,10 @@ from typing import NamedTuple
 
 from ml_collections import config_dict
 
+from nested.core import kernels
 from nested.learn import memories, objectives
 from nested.nn.attention import BLOCK
-from nested.ops import chunked, kernels
+from nested.ops import chunked
 from nested.run import config as nc
 
 ATTENTION = ("causal", "dense")
@@ -322,7 +323,7 @@ def atlas_chunk(layers, C: int, window: int, ns_steps: int) -> Flops:
 
 def inner_loop(level, T: int, heads: int) -> Inner:
     """The inner loop of ``level`` over ``T`` tokens, per token and all ``heads``, as the
-    kernel ``nested.ops.kernels.find(level)`` runs it (:class:`Inner`; the pullback and carry
+    kernel ``nested.core.kernels.find(level)`` runs it (:class:`Inner`; the pullback and carry
     of the neural memories only)."""
     kernel, reasons = kernels.find(level)
     if kernel is None:

@@ -84,6 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from nested import files
 from nested.core.scheduler import Program
 from nested.data import TokensTask, corpus
 from nested.data.batch import off_grid
@@ -552,7 +553,7 @@ def evaluate_lm(
 
     out = workdir / RESULTS_FILE if out is None else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    train.write_atomic(out, json.dumps(result, indent=2) + "\n")
+    files.write_atomic(out, json.dumps(result, indent=2) + "\n")
     write_scalars(workdir / METRICS_DIR, result)
     print(format_results(result))
     print(f"results: {out}")

@@ -13,7 +13,6 @@ the rest, which a resumed run reproduces exactly.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +23,8 @@ matplotlib.use("Agg")  # files only: no display needed, and no GUI backend probi
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
+
+from nested import files
 
 TIMING_KEYS = ("tokens_per_s", "seconds")
 CHECKS_PREFIX = "finite/"  # per-step health flags (nested.core.guards): checked, not logged
@@ -66,9 +67,7 @@ class MetricWriter:
         else:
             kept = [r for r in read(workdir) if r["step"] <= resume_step]
             # Replaced in one rename: a run killed here keeps its history.
-            fresh = self.path.with_name(self.path.name + ".tmp")
-            fresh.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(fresh, self.path)
+            files.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         purge = None if resume_step is None else resume_step + 1
         self.tensorboard = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge)
 

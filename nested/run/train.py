@@ -57,7 +57,7 @@ from absl import logging
 from ml_collections import config_dict
 from tqdm import tqdm
 
-from nested import data
+from nested import data, files
 from nested.core import guards
 from nested.core.scheduler import Program, State
 from nested.plasticity import alignment
@@ -376,13 +376,6 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` in one rename: a kill leaves the old file or the new one."""
-    fresh = path.with_name(path.name + ".tmp")
-    fresh.write_text(text)
-    os.replace(fresh, path)
-
-
 def _record_config(config: config_dict.ConfigDict, workdir: Path, step: int) -> None:
     """Write ``config.json`` as the run starts at ``step`` (0, or the checkpoint it resumes
     from). When the saved one has other values, warn naming the keys and keep it as
@@ -400,14 +393,14 @@ def _record_config(config: config_dict.ConfigDict, workdir: Path, step: int) -> 
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if changed:
             kept = workdir / f"config.{step}.json"
-            write_atomic(kept, saved)
+            files.write_atomic(kept, saved)
             logging.warning(
                 "config differs from the one saved in %s: %s; that one is kept as %s",
                 path,
                 changed,
                 kept,
             )
-    write_atomic(path, json.dumps(current, indent=2) + "\n")
+    files.write_atomic(path, json.dumps(current, indent=2) + "\n")
 
 
 def check_workdir(workdir: Path) -> None:
@@ -852,7 +845,7 @@ def evaluate_workdir(
     else:
         path = workdir / EVAL_FILE
         if distributed.is_primary():
-            write_atomic(path, json.dumps(result, indent=2) + "\n")
+            files.write_atomic(path, json.dumps(result, indent=2) + "\n")
     if distributed.is_primary():
         print(metrics.format_summary(result))
         print(f"results: {path}")

@@ -34,8 +34,9 @@ if alone (the first from the given state, every later one from ``initial``, upda
 counted from each document's start; outputs concatenated, the final state the last
 document's), values and gradients, by splitting its chunks at the starts
 (:mod:`nested.ops.documents`); ``tests/test_kernel_documents.py`` proves it on every example.
-All kernels but ``atlas`` (Omega windows and Muon's per-token momenta) do; for a context with
-starts the generic path runs in place of a kernel without ``documents``.
+Every kernel here does (``atlas`` too: its Omega window holds none of an earlier document's
+samples); for a context with starts the generic path runs in place of a kernel registered
+without ``documents``.
 """
 
 from __future__ import annotations
