@@ -8,7 +8,7 @@
 A model may carry the large-chunk suffix of ``configs/lm.py`` (``titans-c256``: the memory
 updates once per 256 tokens, a declared rule of its own). For each model at ``--size`` on the
 mesh ``--mesh`` (``data,fsdp,tensor`` sizes, -1: the devices the others leave): the jitted
-training step of the training loop (``nested.run.train.make_layout``, ``init_state``,
+training step of the training loop (``nested.run.pieces.make_layout``, ``init_state``,
 ``make_train_fn``: one outer step a call) on synthetic batches of the config's shape (random
 token ids; with ``task.documents`` one document start in the middle of every row, on the
 program's document grid, none where the grid is the row, so the kernels run their document
@@ -61,7 +61,7 @@ from absl import app, flags  # noqa: E402
 
 from nested import data  # noqa: E402
 from nested.run import config as nc  # noqa: E402
-from nested.run import flops, train  # noqa: E402
+from nested.run import flops, pieces  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["transformer", "deltanet", "titans"], "Models of configs/lm.py.")
@@ -138,9 +138,9 @@ def build_step(model: str):
         config.task.seq_len = FLAGS.seq_len
     config.train.mesh.data, config.train.mesh.fsdp, config.train.mesh.tensor = map(int, FLAGS.mesh)
     exp = nc.build(config)
-    layout = train.make_layout(exp)
-    state = train.init_state(exp, layout)
-    step = train.make_train_fn(exp.program, layout)
+    layout = pieces.make_layout(exp)
+    state = pieces.init_state(exp, layout)
+    step = pieces.make_train_fn(exp.program, layout)
     B = config.train.batch_size
     batches = [layout.put(b, B, stacked=True) for b in synthetic_batches(exp, B, FLAGS.steps + 1)]
     return exp, layout, step, state, batches

@@ -4,7 +4,7 @@
         [--runs 5] [--every 1 2 10 50]
 
 For each config (the shipped settings): one jitted training step (``Program.train_step``) and
-one alignment measurement of the same batch (:func:`nested.run.train.make_alignment_fn` on
+one alignment measurement of the same batch (:func:`nested.run.pieces.make_alignment_fn` on
 ``plasticity.rows`` of its rows: the probed levels run the generic inner loop with the update
 hook, one backward pass, then the per-level summary on the host), each the median of
 ``--runs`` calls after a compiling one, measured alternately in one process. The overhead a
@@ -22,17 +22,17 @@ import report
 import timing
 
 from nested.run import config as nc
-from nested.run import train
+from nested.run import pieces
 
 
 def measure(spec: str, runs: int) -> dict:
     exp = nc.build(nc.load(f"configs/{spec}"))
-    state = train.init_state(exp)
-    batch = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
+    state = pieces.init_state(exp)
+    batch = pieces.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
     one = {k: v[0] for k, v in batch.items()}
-    step = train.make_train_fn(exp.program)
+    step = pieces.make_train_fn(exp.program)
     rows = exp.plasticity["rows"]
-    figures = train.make_alignment_fn(exp.program, "through_scan", rows)
+    figures = pieces.make_alignment_fn(exp.program, "through_scan", rows)
     step_fn = lambda: step(state, batch)[1]
     align_fn = lambda: figures(state, one)
     # In turns, so both see the same machine load.

@@ -34,18 +34,18 @@ def compiled_memory(config, devices=None) -> dict:
     import jax.numpy as jnp
 
     from nested.run import config as nc
-    from nested.run import train
+    from nested.run import pieces
 
     start = time.perf_counter()
     exp = nc.build(config)
-    layout = train.make_layout(exp, devices=devices)
-    abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
+    layout = pieces.make_layout(exp, devices=devices)
+    abstract = jax.eval_shape(pieces.init_fn(exp), jax.random.key(0))
     placed = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, layout.state
     )
     shape = (1, config.train.batch_size, config.task.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
-    step = train.make_train_fn(exp.program, layout).lower(placed, batch).compile()
+    step = pieces.make_train_fn(exp.program, layout).lower(placed, batch).compile()
     analysis = step.memory_analysis()
     used = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
     used += analysis.output_size_in_bytes - analysis.alias_size_in_bytes

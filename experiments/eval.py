@@ -14,7 +14,7 @@ several processes (sessions run in one process). Everything is in ``nested.run.t
 from absl import flags
 from ml_collections import config_flags
 
-from nested.run import cli, distributed, train
+from nested.run import cli, distributed, evaluation
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file; default: the run's.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to evaluate.")
@@ -28,7 +28,7 @@ def main(argv):
     del argv
     with cli.user_errors():
         distributed.initialize(distributed.settings_from_flags(_DISTRIBUTED))
-        train.evaluate_workdir(
+        evaluation.evaluate_workdir(
             _CONFIG.value,
             _WORKDIR.value,
             load_memory=_LOAD_MEMORY.value,

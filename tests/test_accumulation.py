@@ -10,7 +10,7 @@ import tiny_configs
 
 from nested.nn.models import REMAT
 from nested.run import config as nc
-from nested.run import train
+from nested.run import pieces
 
 
 def run_steps(name: str, microbatches: int, steps: int = 3, **more):
@@ -24,9 +24,9 @@ def run_steps(name: str, microbatches: int, steps: int = 3, **more):
         **more,
     )
     exp = nc.build(cfg)
-    state = train.init_state(exp)
-    batches = train.stacked_batches(exp.task, 0, steps, 8)
-    state, metrics = train.make_train_fn(exp.program)(state, batches)
+    state = pieces.init_state(exp)
+    batches = pieces.stacked_batches(exp.task, 0, steps, 8)
+    state, metrics = pieces.make_train_fn(exp.program)(state, batches)
     return np.asarray(metrics["loss"]), state, batches
 
 
@@ -49,7 +49,7 @@ def test_four_microbatches_equal_the_whole_batch(name):
 def test_microbatches_that_do_not_divide_the_rows_are_refused():
     exp = nc.build(tiny_configs.config("mqar", train__batch_size=8, train__microbatches=4))
     state = exp.program.init(jax.random.key(0))
-    batch = {k: v[0, :6] for k, v in train.stacked_batches(exp.task, 0, 1, 8).items()}
+    batch = {k: v[0, :6] for k, v in pieces.stacked_batches(exp.task, 0, 1, 8).items()}
     with pytest.raises(ValueError, match="microbatches=4 does not divide the batch's 6 rows"):
         exp.program.train_step(state, batch)
 
@@ -59,7 +59,7 @@ def test_remat_policies_give_the_values_and_gradients_of_none(policy):
     def loss_and_grads(remat):
         exp = nc.build(tiny_configs.config("mqar", model__remat=remat))
         state = exp.program.init(jax.random.key(0))
-        batch = {k: v[0] for k, v in train.stacked_batches(exp.task, 0, 1, 4).items()}
+        batch = {k: v[0] for k, v in pieces.stacked_batches(exp.task, 0, 1, 4).items()}
         grad_fn = jax.jit(jax.value_and_grad(lambda p: exp.program.loss(p, batch)[0]))
         return grad_fn(state.params)
 

@@ -17,7 +17,7 @@ import tiny_configs
 
 from nested import data, ops
 from nested.learn import rules
-from nested.run import checkpoint, cli, memory_state, train
+from nested.run import checkpoint, cli, evaluation, memory_state, pieces, rundir, train
 from nested.run import config as nc
 
 
@@ -141,9 +141,9 @@ def first_loss(**overrides) -> float:
     as the training loop builds it (the default config's program is then the loop's, compiled
     once per test session through the compilation cache)."""
     exp = nc.build(tiny_configs.config("mqar", **overrides))
-    layout = train.make_layout(exp)
-    batches = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
-    _, out = train.make_train_fn(exp.program, layout)(train.init_state(exp, layout), batches)
+    layout = pieces.make_layout(exp)
+    batches = pieces.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
+    _, out = pieces.make_train_fn(exp.program, layout)(pieces.init_state(exp, layout), batches)
     return float(out["loss"][0])
 
 
@@ -189,11 +189,11 @@ def test_token_ids_outside_the_vocabulary_stop_the_run(tmp_path, monkeypatch):
 
 def test_batches_of_mismatched_shapes_or_float_tokens_are_refused():
     good = {"inputs": np.zeros((2, 5), np.int32), "targets": np.zeros((2, 5), np.int32)}
-    train.check_arrays({**good, "mask": np.ones((2, 5), np.float32)}, 16, "here")
+    pieces.check_arrays({**good, "mask": np.ones((2, 5), np.float32)}, 16, "here")
     with pytest.raises(nc.ConfigError, match=r"^here: mask has shape \(2, 4\), inputs \(2, 5\)"):
-        train.check_arrays({**good, "mask": np.ones((2, 4), np.float32)}, 16, "here")
+        pieces.check_arrays({**good, "mask": np.ones((2, 4), np.float32)}, 16, "here")
     with pytest.raises(nc.ConfigError, match="^here: targets must hold integer token ids, got"):
-        train.check_arrays({**good, "targets": np.zeros((2, 5), np.float32)}, 16, "here")
+        pieces.check_arrays({**good, "targets": np.zeros((2, 5), np.float32)}, 16, "here")
 
 
 # -- workdirs ---------------------------------------------------------------------------------
@@ -213,8 +213,8 @@ def test_a_refused_command_changes_nothing_in_the_run(tmp_path):
     config = tiny_configs.config("mqar")
     exp = nc.build(config)
     with checkpoint.Checkpointer(tmp_path / "checkpoints", every=4, keep=1) as ckpt:
-        ckpt.save(8, train.init_state(exp, train.make_layout(exp)), data_position=8)
-    train._record_config(exp.config, tmp_path, 0)
+        ckpt.save(8, pieces.init_state(exp, pieces.make_layout(exp)), data_position=8)
+    rundir.record_config(exp.config, tmp_path, 0)
     record = (tmp_path / "config.json").read_bytes()
     with pytest.raises(nc.ConfigError) as info:
         train.train_and_evaluate(tiny_configs.config("mqar", train__steps=4), tmp_path)
@@ -231,11 +231,11 @@ def test_a_refused_command_changes_nothing_in_the_run(tmp_path):
 def test_resuming_with_a_changed_config_warns_and_keeps_the_config_it_replaces(tmp_path, caplog):
     """The config of steps 0-8 stays on record as config.8.json when a run resumed at step 8
     continues with another."""
-    train._record_config(tiny_configs.config("mqar"), tmp_path, 0)
+    rundir.record_config(tiny_configs.config("mqar"), tmp_path, 0)
     first = (tmp_path / "config.json").read_text()
     changed = tiny_configs.config("mqar", optimizer__learning_rate=0.5, train__steps=16)
     with caplog.at_level(logging.WARNING):
-        train._record_config(changed, tmp_path, 8)
+        rundir.record_config(changed, tmp_path, 8)
     assert [r.getMessage() for r in caplog.records] == [
         f"config differs from the one saved in {tmp_path / 'config.json'}: "
         f"['optimizer.learning_rate', 'train.steps']; that one is kept as "
@@ -251,11 +251,11 @@ def test_unreadable_config_json(tmp_path, caplog):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.json").write_text('{"seed": 0, "task": {')
     with pytest.raises(nc.ConfigError, match=r"config.json is not a readable config \(.*--config$"):
-        train.load_workdir_config(tmp_path)
+        rundir.load_workdir_config(tmp_path)
     with caplog.at_level(logging.WARNING):
-        train._record_config(tiny_configs.config("mqar"), tmp_path, 0)
+        rundir.record_config(tiny_configs.config("mqar"), tmp_path, 0)
     assert "is unreadable (" in caplog.records[0].getMessage()
-    assert train.load_workdir_config(tmp_path).model.dim == 16
+    assert rundir.load_workdir_config(tmp_path).model.dim == 16
 
 
 def test_evaluating_a_workdir_without_a_run(tmp_path):
@@ -263,23 +263,23 @@ def test_evaluating_a_workdir_without_a_run(tmp_path):
     config = tiny_configs.config("mqar")
     for given in (None, config):
         with pytest.raises(nc.ConfigError) as info:
-            train.evaluate_workdir(given, tmp_path)
+            evaluation.evaluate_workdir(given, tmp_path)
         assert str(info.value) == (
             f"no run in --workdir {tmp_path} (no checkpoints folder): train one there first "
             f"(experiments/train.py --workdir {tmp_path})"
         )
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(nc.ConfigError, match=f"^--workdir {tmp_path} has no config.json; pass"):
-        train.evaluate_workdir(None, tmp_path)
+        evaluation.evaluate_workdir(None, tmp_path)
     missing = tmp_path / "nothing"
     with pytest.raises(memory_state.MemoryStateError) as info:
-        train.evaluate_workdir(tiny_configs.config("continual"), tmp_path, load_memory=missing)
+        evaluation.evaluate_workdir(tiny_configs.config("continual"), tmp_path, load_memory=missing)
     assert str(info.value) == (
         f"no memory state at '{missing}'; save one first (eval.py --save_memory)"
     )
     assert isinstance(info.value, cli.USER_ERRORS)  # the entry points print one line
     with pytest.raises(checkpoint.CheckpointError, match="^no readable checkpoint in "):
-        train.evaluate_workdir(config, tmp_path)
+        evaluation.evaluate_workdir(config, tmp_path)
 
 
 CORPORA = {  # case -> (what task.path names, part of the message)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested.run import checkpoint, fingerprint, memory_state, train
+from nested.run import checkpoint, evaluation, fingerprint, memory_state, pieces, rundir
 from nested.run import config as nc
 
 
@@ -27,10 +27,10 @@ def continual():
     on the device layout the training loop and ``evaluate_workdir`` use (so their compiled
     programs are shared through the compilation cache)."""
     exp = nc.build(tiny_configs.config("continual"))
-    layout = train.make_layout(exp)
-    fresh = train.init_state(exp, layout)
-    batches = train.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
-    state, _ = train.make_train_fn(exp.program, layout)(fresh, batches)
+    layout = pieces.make_layout(exp)
+    fresh = pieces.init_state(exp, layout)
+    batches = pieces.stacked_batches(exp.task, 0, 1, exp.config.train.batch_size)
+    state, _ = pieces.make_train_fn(exp.program, layout)(fresh, batches)
     return exp, fresh, state
 
 
@@ -115,7 +115,7 @@ def test_checkpoint_of_another_model_is_an_error_not_damage(tmp_path, continual)
     _, _, state = continual
     with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
         ckpt.save(1, state, data_position=1)
-    other = train.init_state(nc.build(tiny_configs.config("continual", model__dim=8)))
+    other = pieces.init_state(nc.build(tiny_configs.config("continual", model__dim=8)))
     with checkpoint.Checkpointer(tmp_path, every=1, keep=2) as ckpt:
         with pytest.raises(checkpoint.CheckpointError, match="checkpoint step 1 in .* is of an"):
             ckpt.restore_latest(other)
@@ -124,8 +124,8 @@ def test_checkpoint_of_another_model_is_an_error_not_damage(tmp_path, continual)
 
 def _session(exp, state, split):
     """A memory session over the held-out batches of ``split`` (memory carried)."""
-    results, fast = train.evaluate(
-        train.make_eval_fn(exp.program, train.make_layout(exp)),
+    results, fast = evaluation.evaluate(
+        pieces.make_eval_fn(exp.program, pieces.make_layout(exp)),
         state,
         exp.task,
         batches=2,
@@ -170,9 +170,9 @@ def test_memory_state_of_another_model_or_path_is_refused(tmp_path, continual):
 
 def _workdir(path, exp, state, step=1):
     """A workdir holding the checkpoint of ``state`` at ``step``, as training leaves it."""
-    with checkpoint.Checkpointer(path / train.CHECKPOINTS, every=1, keep=1) as ckpt:
+    with checkpoint.Checkpointer(path / rundir.CHECKPOINTS, every=1, keep=1) as ckpt:
         ckpt.save(step, state, data_position=step)
-    train._record_config(exp.config, path, step)
+    rundir.record_config(exp.config, path, step)
     return path
 
 
@@ -183,21 +183,21 @@ def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     exp, _, state = continual
     workdir = _workdir(tmp_path / "run", exp, state)
     one, two = tmp_path / "one", tmp_path / "two"
-    first = train.evaluate_workdir(None, workdir, save_memory=one)
-    second = train.evaluate_workdir(None, workdir, load_memory=one, save_memory=two)
-    lines = (workdir / train.SESSIONS_FILE).read_text().splitlines()
+    first = evaluation.evaluate_workdir(None, workdir, save_memory=one)
+    second = evaluation.evaluate_workdir(None, workdir, load_memory=one, save_memory=two)
+    lines = (workdir / rundir.SESSIONS_FILE).read_text().splitlines()
     assert [json.loads(line) for line in lines] == [first, second]
     assert (first["load_memory"], first["save_memory"]) == (None, str(one))
     assert (second["load_memory"], second["save_memory"]) == (str(one), str(two))
-    assert not (workdir / train.EVAL_FILE).exists()
+    assert not (workdir / rundir.EVAL_FILE).exists()
     for path in (one, two):
         assert checkpoint.load_meta(path)["fingerprint"] == fingerprint.of(exp.config, 1)
 
-    eval_fn = train.make_eval_fn(exp.program, train.make_layout(exp))
-    expected_first, fast = train.evaluate(
+    eval_fn = pieces.make_eval_fn(exp.program, pieces.make_layout(exp))
+    expected_first, fast = evaluation.evaluate(
         eval_fn, state, exp.task, batches=2, batch_size=4, carry=True
     )
-    expected_second, fast = train.evaluate(
+    expected_second, fast = evaluation.evaluate(
         eval_fn,
         state.replace(fast=fast),
         exp.task,
@@ -210,7 +210,7 @@ def test_workdir_sessions_save_and_load_the_memory(tmp_path, continual):
     assert_trees_equal(memory_state.load(two, like=state.fast), fast)
     with pytest.raises(nc.ConfigError, match="a memory session needs a level with persist='str"):
         config = tiny_configs.config("continual", levels__memory__persist="sequence")
-        train.evaluate_workdir(config, workdir, save_memory=one)
+        evaluation.evaluate_workdir(config, workdir, save_memory=one)
 
 
 def test_a_memory_state_of_another_architecture_is_refused(tmp_path, continual):
@@ -220,9 +220,11 @@ def test_a_memory_state_of_another_architecture_is_refused(tmp_path, continual):
     session = tmp_path / "delta_session"
     memory_state.save(session, state.fast, fingerprint=fingerprint.of(exp.config, 1))
     gated = nc.build(tiny_configs.config("continual", levels__memory__rule="gated_delta"))
-    workdir = _workdir(tmp_path / "gated", gated, train.init_state(gated, train.make_layout(gated)))
+    workdir = _workdir(
+        tmp_path / "gated", gated, pieces.init_state(gated, pieces.make_layout(gated))
+    )
     with pytest.raises(memory_state.MemoryStateError) as info:
-        train.evaluate_workdir(None, workdir, load_memory=session)
+        evaluation.evaluate_workdir(None, workdir, load_memory=session)
     assert str(info.value).startswith(
         f"the memory state at '{session}' was written by another model (architecture "
     )
@@ -304,11 +306,11 @@ def test_a_memory_a_task_of_agents_would_discard_is_refused_before_compiling(tmp
     """Eval batches of a task with agents start a new agent in every row: a loaded memory
     would be replaced before it is read, the results identical with or without it."""
     exp = nc.build(tiny_configs.config("continual", task__agent_every=2))
-    state = train.init_state(exp, train.make_layout(exp))
+    state = pieces.init_state(exp, pieces.make_layout(exp))
     workdir = _workdir(tmp_path / "agents", exp, state)
     session = tmp_path / "m1"
     memory_state.save(session, state.fast, fingerprint=fingerprint.of(exp.config, 1))
     with pytest.raises(nc.ConfigError, match="starts a new agent in every row at its first task0"):
-        train.evaluate_workdir(None, workdir, load_memory=session)
+        evaluation.evaluate_workdir(None, workdir, load_memory=session)
     config = tiny_configs.config("continual", task__agent_every=0)  # the way it says
-    assert train.evaluate_workdir(config, workdir, load_memory=session)["load_memory"]
+    assert evaluation.evaluate_workdir(config, workdir, load_memory=session)["load_memory"]

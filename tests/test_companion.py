@@ -31,7 +31,7 @@ from nested.companion.engine import Companion, CompanionError
 from nested.companion.server import MAX_BODY
 from nested.companion.store import SQLiteStore
 from nested.run import config as nc
-from nested.run import loading, train
+from nested.run import loading, pieces, train
 from nested.run.checkpoint import CheckpointError
 from nested.run.loading import Trained
 from nested.run.locks import Busy
@@ -271,7 +271,7 @@ def test_consolidate_applies_what_a_longer_period_accumulated(tmp_path):
     config.levels.fast_cms = nc.level_config("cms", every=4, persist="stream", lr=0.1)
     config.levels.slow_cms = nc.level_config("cms", every=8, persist="stream", lr=0.1)
     exp = nc.build(config)
-    companion = Companion(Trained(exp, train.init_state(exp), 0), SQLiteStore(tmp_path / "s"))
+    companion = Companion(Trained(exp, pieces.init_state(exp), 0), SQLiteStore(tmp_path / "s"))
     assert companion.period == 4
     companion.observe({"a": tokens(1, events=1)})  # 4 tokens: slow_cms has 4 pending
     before = companion.states(["a"])[0]["a"]
@@ -285,7 +285,7 @@ def test_consolidate_applies_what_a_longer_period_accumulated(tmp_path):
     with pytest.raises(CompanionError, match="no level that consolidates"):
         plain = nc.build(tiny_configs.config("companion"))
         Companion(
-            Trained(plain, train.init_state(plain), 0), SQLiteStore(tmp_path / "t")
+            Trained(plain, pieces.init_state(plain), 0), SQLiteStore(tmp_path / "t")
         ).consolidate(["a"])
 
 

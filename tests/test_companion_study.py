@@ -14,7 +14,7 @@ import tiny_configs
 from nested.companion import study
 from nested.data import CompanionTask
 from nested.run import config as nc
-from nested.run import train
+from nested.run import pieces
 from nested.run.loading import Trained
 
 TASK = CompanionTask(num_features=5, features_per_input=2, num_labels=4, events=2, sessions=2,
@@ -166,7 +166,7 @@ def test_held_out_agents_never_reach_the_tuner(tmp_path, monkeypatch):
     matter here), the tuner and the evaluation spied on: the tuner sees the training task and
     its agents only; every evaluated agent is another one."""
     experiment = nc.build(tiny_configs.config("companion"))
-    run, workdir = Trained(experiment, train.init_state(experiment), 0), tmp_path
+    run, workdir = Trained(experiment, pieces.init_state(experiment), 0), tmp_path
     tuned, evaluated = [], []
     tune, evaluate = study.tune_learning_rate, study._evaluate
 

@@ -10,9 +10,8 @@ import sys
 import pytest
 import tiny_configs
 
-from nested.run import cli
+from nested.run import cli, rundir
 from nested.run import config as nc
-from nested.run import train as training
 
 TRAIN = str(tiny_configs.ROOT / "experiments" / "train.py")
 EVAL = str(tiny_configs.ROOT / "experiments" / "eval.py")
@@ -96,7 +95,7 @@ def test_eval_overrides_apply_to_the_runs_config_without_the_config_file(tmp_pat
     run needs no checkpoint for that); one of the model is refused (tests/test_train.py
     evaluates a run with overrides)."""
     (tmp_path / "checkpoints").mkdir()
-    training._record_config(tiny_configs.config("mqar"), tmp_path, 0)
+    rundir.record_config(tiny_configs.config("mqar"), tmp_path, 0)
     rc, out, lines = run(EVAL, f"--workdir={tmp_path}", "--config.task.test_settings=((8, 4),)")
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: task: mqar: test_settings.seq_len=8 is invalid"), lines

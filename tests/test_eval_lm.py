@@ -22,7 +22,7 @@ from test_tokens import document_texts
 from nested.data import corpus
 from nested.data import tokens as tokens_mod
 from nested.learn import objectives
-from nested.run import checkpoint, lm_eval, train
+from nested.run import checkpoint, lm_eval, pieces, rundir
 from nested.run import config as nc
 from nested.run.config import ConfigError
 from nested.run.loading import Trained
@@ -81,7 +81,7 @@ def models(folders):
     out = {}
     for persist in ("sequence", "stream"):
         exp = nc.build(lm_config(folders["bytes"], persist))
-        out[persist] = Trained(exp, train.init_state(exp), 0), lm_eval.eval_task(exp.task, None)
+        out[persist] = Trained(exp, pieces.init_state(exp), 0), lm_eval.eval_task(exp.task, None)
     return out
 
 
@@ -184,7 +184,7 @@ def test_token_cross_entropy_is_zero_where_masked_whatever_the_logits():
 
 def test_bits_per_byte_divides_by_the_text_bytes_of_a_bpe_corpus(folders):
     exp = nc.build(lm_config(folders["bpe"], vocab=300))
-    trained = Trained(exp, train.init_state(exp), 0)
+    trained = Trained(exp, pieces.init_state(exp), 0)
     task = lm_eval.eval_task(exp.task, None)
     got = lm_eval.perplexity(trained, task, 4)
     tokenizer = corpus.prepared_tokenizer(task.path, task.index)
@@ -384,7 +384,7 @@ def test_bad_inputs_are_one_line_before_compiling(folders, tmp_path, monkeypatch
     def never(*args, **kwargs):
         raise AssertionError("restored a checkpoint: the check came too late")
 
-    monkeypatch.setattr(train, "restore_latest", never)
+    monkeypatch.setattr(rundir, "restore_latest", never)
     workdir = fake_run(folders["bytes"], tmp_path)
     (tmp_path / "empty").mkdir()
     (tmp_path / "ok.jsonl").write_text(json.dumps(EXAMPLES[0]) + "\n")

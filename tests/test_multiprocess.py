@@ -269,14 +269,14 @@ def test_a_batch_the_devices_of_all_processes_do_not_divide_is_refused(tmp_path)
 
 
 FAKE = """
-import signal, sys, time
+import os, signal, sys, time
 me = int([a for a in sys.argv if a.startswith("--process_id=")][0].split("=")[1])
 mode = sys.argv[1]
 if mode == "statuses":
     sys.exit([0, 3][me])
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    print("ready", flush=True)
+    os.write(1, b"ready\\n")  # one write: the two processes' lines never interleave
     time.sleep(60)
 if mode == "one_fails":
     if me == 0:

@@ -12,7 +12,7 @@ import tiny_configs
 from nested.learn import memories
 from nested.plasticity import capacity
 from nested.run import config as nc
-from nested.run import train
+from nested.run import pieces
 
 
 def test_relative_change_of_a_known_pair():
@@ -205,7 +205,7 @@ def test_dormant_units_of_a_model_with_an_mlp_memory():
     one figure per hidden layer, none dormant at tau=0, all below a huge tau."""
     exp = nc.build(tiny_configs.config("continual", levels__memory__rule="ttt_mlp"))
     state = exp.program.init(jax.random.key(0), batch_size=4)
-    batch = {k: v[0] for k, v in train.stacked_batches(exp.task, 0, 1, 4).items()}
+    batch = {k: v[0] for k, v in pieces.stacked_batches(exp.task, 0, 1, 4).items()}
     args = (exp.program, state.params, state.fast, batch)
     assert capacity.dormant_units(*args) == {"memory": [0.0]}  # depth 2: one hidden layer
     assert capacity.dormant_units(*args, tau=10.0) == {"memory": [1.0]}

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
     from nested.nn.models import MLPBlock
-    from nested.run import checkpoint, config as nc, partitioning, sharding, train
+    from nested.run import checkpoint, config as nc, partitioning, sharding, train, pieces
     sys.path.insert(0, str(tiny_configs.ROOT / "benchmarks"))
     import pod_memory
 
@@ -84,7 +84,7 @@ SCRIPT = textwrap.dedent(
 
     def error(name, mesh, train_fields):
         try:
-            train.make_layout(nc.build(tiny_configs.config(name, **fields_of(mesh, train_fields))))
+            pieces.make_layout(nc.build(tiny_configs.config(name, **fields_of(mesh, train_fields))))
         except nc.ConfigError as e:
             return str(e)
         return None
@@ -98,13 +98,13 @@ SCRIPT = textwrap.dedent(
 
     def lm_losses(variant, mesh, microbatches=1, steps=10):
         exp = lm(variant, mesh, microbatches)
-        layout = train.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
-        state = train.init_state(exp, layout)
+        layout = pieces.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
+        state = pieces.init_state(exp, layout)
         x = np.random.default_rng(0).integers(0, 256, (steps, 8, 65))
         batches = {"inputs": x[..., :-1], "targets": x[..., 1:], "mask": np.ones((steps, 8, 64))}
         batches = {k: jnp.asarray(v, jnp.float32 if k == "mask" else jnp.int32)
                    for k, v in batches.items()}
-        _, metrics = train.make_train_fn(exp.program, layout)(state, batches)
+        _, metrics = pieces.make_train_fn(exp.program, layout)(state, batches)
         return [float(v) for v in metrics["loss"]]
 
     def state_bytes(variant, mesh):
@@ -112,8 +112,8 @@ SCRIPT = textwrap.dedent(
         # compiled step's arguments (benchmarks/pod_memory.py, memory_analysis)
         exp = lm(variant, mesh)
         devices = jax.devices()[: 1 if not mesh else None]
-        layout = train.make_layout(exp, devices=devices)
-        abstract = jax.eval_shape(train._init_fn(exp), jax.random.key(0))
+        layout = pieces.make_layout(exp, devices=devices)
+        abstract = jax.eval_shape(pieces.init_fn(exp), jax.random.key(0))
         learned = lambda s: (s.params, s.opt_state)
         shards = zip(jax.tree.leaves(learned(abstract)), jax.tree.leaves(learned(layout.state)))
         held = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in shards)

@@ -10,7 +10,7 @@ import pytest
 
 from nested.data import TokensTask, corpus, make_task
 from nested.data.tokens import align_documents, document_ids
-from nested.run import train
+from nested.run import pieces, train
 
 T = 8
 EOS = 256
@@ -144,12 +144,12 @@ def test_the_declared_grid_is_where_every_window_starts_its_documents(prepared, 
     assert grid(seq_len=32, align=8, eval_seq_len=20) == 4
     assert (grid(seq_len=32), grid(seq_len=32, align=8, documents=False)) == (1, 1)
     task = TokensTask(path=str(out), seq_len=32, align=8)
-    batch = train.stacked_batches(task, 1, 2, 16)  # checked on the grid
+    batch = pieces.stacked_batches(task, 1, 2, 16)  # checked on the grid
     assert batch["documents"].shape == (2, 16, 32)
     off = TokensTask(path=str(out), seq_len=32, align=4)
     monkeypatch.setattr(TokensTask, "document_grid", 8)  # declared 8, laid out on 4
     with pytest.raises(train.ConfigError, match=r"training batch 1: a document starts at"):
-        train.stacked_batches(off, 1, 1, 16)
+        pieces.stacked_batches(off, 1, 1, 16)
 
 
 def test_resume_reads_the_same_batch(prepared):
@@ -184,11 +184,11 @@ def test_stacked_batches_passes_rows(prepared, monkeypatch):
         return original(self, index, batch_size, split=split, rows=rows)
 
     monkeypatch.setattr(TokensTask, "batch", spy)
-    got = train.stacked_batches(task, 2, 3, 8, rows=slice(4, 8))
+    got = pieces.stacked_batches(task, 2, 3, 8, rows=slice(4, 8))
     assert asked == [slice(4, 8)] * 3
     assert got["inputs"].shape == (3, 4, T)
     np.testing.assert_array_equal(got["inputs"][1], original(task, 3, 8).inputs[4:8])
-    train.check_task(task)
+    pieces.check_task(task)
 
 
 def test_prefetch_yields_the_same_batches(prepared):

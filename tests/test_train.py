@@ -16,7 +16,7 @@ import tiny_configs
 import nested as nl
 from nested.core import guards
 from nested.levels import recipes
-from nested.run import checkpoint, cli, locks, metrics, train
+from nested.run import checkpoint, cli, evaluation, locks, metrics, pieces, rundir, stopping, train
 from nested.run import config as nc
 
 
@@ -91,7 +91,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_metrics_exactly(
 def _after_step_3(monkeypatch, action):
     """Patch the loop's jitted call: ``action(out) -> out`` runs on the outputs of the call
     that reaches step 3."""
-    make = train.make_train_fn
+    make = pieces.make_train_fn
 
     def patched(program, layout=None):
         run = make(program, layout)
@@ -102,7 +102,7 @@ def _after_step_3(monkeypatch, action):
 
         return call
 
-    monkeypatch.setattr(train, "make_train_fn", patched)
+    monkeypatch.setattr(pieces, "make_train_fn", patched)
 
 
 def _poison(out):
@@ -169,8 +169,8 @@ def test_sigterm_or_ctrl_c_saves_the_step_reached_and_the_run_resumes_exactly(
     (with the unfinished log window: step 3 of the window 3-4) and raises; the same call
     again ends with the uninterrupted run's metrics."""
     _after_step_3(monkeypatch, _signal(signum))
-    before = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
-    with pytest.raises(train.Stopped) as info:
+    before = {s: signal.getsignal(s) for s in stopping.STOP_SIGNALS}
+    with pytest.raises(stopping.Stopped) as info:
         train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
     checkpoints = tmp_path / "checkpoints"
     name = signal.Signals(signum).name
@@ -179,7 +179,7 @@ def test_sigterm_or_ctrl_c_saves_the_step_reached_and_the_run_resumes_exactly(
         f"command to resume from step 3"
     )
     assert info.value.signum == signum
-    assert {s: signal.getsignal(s) for s in train.STOP_SIGNALS} == before  # the loop's only
+    assert {s: signal.getsignal(s) for s in stopping.STOP_SIGNALS} == before  # the loop's only
     assert sorted(p.name for p in checkpoints.iterdir()) == ["3"]
     monkeypatch.undo()
     train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
@@ -198,7 +198,7 @@ def test_sigterm_right_after_a_skipped_save_stops_at_a_step_that_is_saved(tmp_pa
         return started
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", signal_after)
-    with pytest.raises(train.Stopped) as info:
+    with pytest.raises(stopping.Stopped) as info:
         train.train_and_evaluate(tiny_configs.config("mqar"), tmp_path)
     assert info.value.step == 4
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
@@ -206,14 +206,14 @@ def test_sigterm_right_after_a_skipped_save_stops_at_a_step_that_is_saved(tmp_pa
 
 def test_stopped_and_non_finite_runs_end_the_command_with_one_line(capsys):
     with pytest.raises(SystemExit) as info, cli.user_errors():
-        raise train.Stopped(5, Path("/runs/x/checkpoints"))
+        raise stopping.Stopped(5, Path("/runs/x/checkpoints"))
     assert info.value.code == 143
     assert capsys.readouterr().err == (
         "stopped by SIGTERM at step 5: its checkpoint is in /runs/x/checkpoints; run the same "
         "command to resume from step 5\n"
     )
     with pytest.raises(SystemExit) as info, cli.user_errors():
-        raise train.Stopped(5, Path("/runs/x/checkpoints"), signal.SIGINT)
+        raise stopping.Stopped(5, Path("/runs/x/checkpoints"), signal.SIGINT)
     assert info.value.code == 130
     assert capsys.readouterr().err.startswith("stopped by SIGINT at step 5")
     with pytest.raises(SystemExit) as info, cli.user_errors():
@@ -264,7 +264,7 @@ def test_skip_nonfinite_end_to_end_counts_every_skipped_step(tmp_path, monkeypat
     assert [(r["step"], r["skipped"]) for r in logged] == [(2, 2.0), (4, 2.0)]
     assert all("loss" not in r for r in logged)  # no step's loss enters a mean
     exp = nc.build(config)
-    fresh = train.init_state(exp, train.make_layout(exp))  # the loop's (compiled) init
+    fresh = pieces.init_state(exp, pieces.make_layout(exp))  # the loop's (compiled) init
     with checkpoint.Checkpointer(tmp_path / "checkpoints", every=4, keep=3) as ckpt:
         restored = ckpt.restore_latest(fresh)
     assert restored.step == 4 and int(restored.state.step) == 4
@@ -300,7 +300,7 @@ def test_a_rule_named_by_import_path_trains_and_its_workdir_evaluates_alone(tmp_
         tiny_configs.config("mqar", levels__memory__rule=rule), workdir
     )
     assert json.loads((workdir / "config.json").read_text())["levels"]["memory"]["rule"] == rule
-    assert train.evaluate_workdir(None, workdir)["splits"] == result["splits"]
+    assert evaluation.evaluate_workdir(None, workdir)["splits"] == result["splits"]
 
 
 def test_a_run_evaluates_with_overrides_of_its_task_and_eval_settings(finished, tmp_path):
@@ -311,7 +311,7 @@ def test_a_run_evaluates_with_overrides_of_its_task_and_eval_settings(finished, 
     overrides = ["--config.task.test_settings=((16, 3),)", "--config.train.eval_batches=1"]
     config = cli.workdir_config(str(workdir), overrides)
     assert config.task.test_settings == ((16, 3),) and config.train.eval_batches == 1
-    result = train.evaluate_workdir(config, workdir)
+    result = evaluation.evaluate_workdir(config, workdir)
     assert result["step"] == 8 and list(result["splits"]) == ["seq16_kv3"]
     assert json.loads((workdir / "eval.json").read_text()) == result
 
@@ -336,7 +336,7 @@ def test_a_smoke_run_of_a_full_config_needs_no_other_override(tmp_path):
 
 def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
     config = tiny_configs.config("mqar")
-    first = locks.Lock(tmp_path / train.LOCK_FILE, "test", "test")  # as a running run holds it
+    first = locks.Lock(tmp_path / rundir.LOCK_FILE, "test", "test")  # as a running run holds it
     with pytest.raises(locks.Busy) as info:
         train.train_and_evaluate(config, tmp_path)
     message = str(info.value)
@@ -345,4 +345,4 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.json").exists()
     first.release()
     train.train_and_evaluate(config, tmp_path)  # the lock of an ended holder is free
-    assert not (tmp_path / train.LOCK_FILE).exists()  # and a finished run leaves none
+    assert not (tmp_path / rundir.LOCK_FILE).exists()  # and a finished run leaves none

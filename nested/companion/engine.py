@@ -219,7 +219,7 @@ class Companion:
         keeps them, so ``step`` can serve the weights that wrote the agents."""
         from nested.run import checkpoint
         from nested.run.loading import load_trained
-        from nested.run.train import CHECKPOINTS
+        from nested.run.rundir import CHECKPOINTS
 
         if store is None or isinstance(store, str | Path):  # first: a busy store fails fast
             store = SQLiteStore(store or Path(workdir) / "companion.sqlite")

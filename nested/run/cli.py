@@ -9,7 +9,7 @@ stderr, ``error: ...``, and exit status 1; anything else is a bug and keeps its 
   here it becomes ``error: --config.model.dimm: config.model has no key 'dimm'; allowed:
   [...]``.
 * :func:`user_errors` wraps ``main``: it turns :data:`USER_ERRORS` into that one line, and a
-  run stopped by SIGTERM or Ctrl-C (:class:`nested.run.train.Stopped`, after its checkpoint)
+  run stopped by SIGTERM or Ctrl-C (:class:`nested.run.stopping.Stopped`, after its checkpoint)
   into one line and exit status 128 + the signal (143, 130), as a shell reports a process the
   signal ended.
 * With ``config_from_workdir=True`` (``eval.py``), ``--config.<key>=<value>`` overrides
@@ -34,7 +34,7 @@ from ml_collections import config_dict, config_flags
 
 from nested.core.guards import NonFiniteError
 from nested.run import config as config_lib
-from nested.run import locks, train
+from nested.run import locks, rundir, stopping
 from nested.run.checkpoint import CheckpointError
 from nested.run.distributed import DistributedError
 from nested.run.memory_state import MemoryStateError
@@ -115,7 +115,7 @@ def workdir_config(workdir: str, overrides: Sequence[str]) -> config_dict.Config
                 f"may change {[f'{s}.*' for s in WORKDIR_SECTIONS]} (or pass --{CONFIG_FLAG}, "
                 "a config file)"
             )
-    config = train.load_workdir_config(workdir)
+    config = rundir.load_workdir_config(workdir)
     values, argv = flags.FlagValues(), [CONFIG_FLAG, *overrides]
     try:  # the definition already applies the overrides' types
         config_flags.DEFINE_config_dict(CONFIG_FLAG, config, flag_values=values, sys_argv=argv)
@@ -168,7 +168,7 @@ def user_errors() -> Iterator[None]:
         yield
     except USER_ERRORS as error:
         sys.exit(f"error: {_one_line(error)}")
-    except train.Stopped as stopped:
+    except stopping.Stopped as stopped:
         print(_one_line(stopped), file=sys.stderr)
         sys.exit(128 + stopped.signum)
     except KeyboardInterrupt:

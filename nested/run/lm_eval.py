@@ -90,7 +90,7 @@ from nested.data import TokensTask, corpus
 from nested.data.batch import off_grid
 from nested.data.tokens import align_documents, document_ids
 from nested.learn.objectives import token_cross_entropy
-from nested.run import checkpoint, metrics, train
+from nested.run import checkpoint, metrics, rundir
 from nested.run import config as config_lib
 from nested.run.config import ConfigError
 from nested.run.loading import Trained
@@ -500,9 +500,9 @@ def evaluate_lm(
     ``train.eval_batch_size``). Everything is checked before anything is compiled.
     """
     workdir = Path(workdir)
-    directory = train.check_run(workdir)
+    directory = rundir.check_run(workdir)
     _check_checkpoint(directory)
-    exp = config_lib.build(train.load_workdir_config(workdir))
+    exp = config_lib.build(rundir.load_workdir_config(workdir))
     if not isinstance(exp.task, TokensTask):
         raise ConfigError(
             f"--workdir {workdir}: the run trained on the task {exp.task.name!r}; eval_lm "
@@ -535,7 +535,7 @@ def evaluate_lm(
             where = f"task {name} ({path})"
             requests[name] = (examples, make_requests(examples, tokenizer, seq_len, where))
 
-    restored = train.restore_latest(exp, directory)
+    restored = rundir.restore_latest(exp, directory)
     trained = Trained(exp, restored.state, restored.step)
     score = make_score_fn(exp.program, task.eos_id if task.documents else None)
     result = {

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from nested.core.scheduler import Program, State
 from nested.run import config as config_lib
-from nested.run import fingerprint, train
+from nested.run import fingerprint, rundir
 from nested.run.config import Experiment
 
 
@@ -45,8 +45,8 @@ def load_trained(workdir: str | Path, step: int | None = None) -> Trained:
     """The run trained in ``workdir``: its config and the state of its latest readable
     checkpoint (``step``: that one) (slow parameters, optimizer state, carried fast states,
     step, RNG)."""
-    experiment = config_lib.build(train.load_workdir_config(workdir))
-    restored = train.restore_latest(experiment, train.check_run(workdir), step=step)
+    experiment = config_lib.build(rundir.load_workdir_config(workdir))
+    restored = rundir.restore_latest(experiment, rundir.check_run(workdir), step=step)
     return Trained(experiment, restored.state, restored.step)
 
 

@@ -4,7 +4,7 @@ A run's metrics are *records* ``{"step": int, "split": str, <metric>: float, ...
 ``"train"`` for training windows (means over the steps since the previous record), one split
 per held-out set (MQAR: one per ``(seq_len, pairs)`` setting), and with ``plasticity.every``
 split ``"plasticity"``: the alignment figures ``<level>/<figure>`` of the fast levels' updates
-(:func:`nested.run.train.make_alignment_fn`). They are appended to
+(:func:`nested.run.pieces.make_alignment_fn`). They are appended to
 ``<workdir>/metrics.jsonl`` and mirrored as TensorBoard scalars ``<split>/<metric>`` under
 ``<workdir>/tensorboard``. Wall-clock quantities (:data:`TIMING_KEYS`) are kept apart from
 the rest, which a resumed run reproduces exactly.
