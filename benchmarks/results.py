@@ -916,7 +916,8 @@ def companion_section(results, workdir: Path) -> list[str]:
         "",
         "`configs/companion.py` trained on training agents, then `experiments/companion_study.py`"
         " on held-out agents (another seed): each method sees the same events session by "
-        "session and answers the same queries after each session (`nested.companion.study`). "
+        "session and answers the same queries after each session "
+        "(`experiments/studies/companion`). "
         "The companion's fast state sets the bytes per agent every equal-bytes baseline is held "
         "to: `knn`/`knn_recency` keep as many (input, answer) pairs with 64-dim keys (the "
         "trained model's token embeddings, averaged and normalised) as fit; `raw_overlap` "

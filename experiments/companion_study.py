@@ -8,7 +8,7 @@ counts), all at equal bytes, an unbounded store, no memory and a per-agent offli
 session by session; then on held-out agents whose rule differs in kind (``--variants``: 2 or 4
 features per input, one feature deciding alone, answers of feature pairs). Writes
 ``DIR/companion_study.json`` and prints the headline figures. Everything is in
-``nested.companion.study``.
+``studies.companion`` (``experiments/studies/companion``).
 """
 
 import json
@@ -19,9 +19,9 @@ from absl import flags
 from tqdm import tqdm
 
 from nested import files
-from nested.companion import study
 from nested.data import CompanionTask
 from nested.run import cli, loading
+from studies.companion import study
 
 _DEFAULTS = study.Settings()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the trained companion run.")

@@ -16,7 +16,7 @@ Example: ``python experiments/eval_lm.py --workdir runs/lm --tasks=copa=data/cop
 
 from absl import flags
 
-from nested.run import cli, lm_eval
+from nested.run import choice, cli, lm_eval
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to evaluate.")
 _DATA = flags.DEFINE_string("data", None, "Prepared folder to score; default: the run's.")
@@ -33,7 +33,7 @@ def main(argv):
         lm_eval.evaluate_lm(
             _WORKDIR.value,
             data=_DATA.value,
-            tasks=lm_eval.parse_tasks(_TASKS.value),
+            tasks=choice.parse_tasks(_TASKS.value),
             max_len=_MAX_LEN.value,
             batch_size=_BATCH_SIZE.value,
             out=_OUT.value,

@@ -25,7 +25,6 @@ import pytest
 import tiny_configs
 from flax import serialization
 
-from nested.companion import study
 from nested.companion.client import SERVE, Client, ServerProcess
 from nested.companion.engine import Companion, CompanionError
 from nested.companion.server import MAX_BODY
@@ -35,6 +34,9 @@ from nested.run import loading, pieces, train
 from nested.run.checkpoint import CheckpointError
 from nested.run.loading import Trained
 from nested.run.locks import Busy
+
+sys.path.insert(0, str(tiny_configs.ROOT / "experiments"))
+from studies.companion import baselines, study  # noqa: E402
 
 KEY = "test-key-0123"
 
@@ -290,13 +292,13 @@ def test_consolidate_applies_what_a_longer_period_accumulated(tmp_path):
 
 
 def test_retrieval_and_oracle_baselines():
-    memory = study.Retrieval(capacity=2, k=1, recency=None)
+    memory = baselines.Retrieval(capacity=2, k=1, recency=None)
     keys = np.eye(3)
     for key, answer in zip(keys, (0, 1, 2), strict=True):
         memory.add(key, answer)
     assert memory.predict(keys[2], 3) == 2 and memory.predict(keys[1], 3) == 1
     assert memory.predict(keys[0], 3) != 0  # evicted: only the 2 newest are kept
-    recent = study.Retrieval(capacity=None, k=2, recency=1.0)
+    recent = baselines.Retrieval(capacity=None, k=2, recency=1.0)
     recent.add(keys[0], 0)
     recent.add(keys[0], 1)  # the same key later: its answer weighs more
     assert recent.predict(keys[0], 2) == 1
@@ -304,8 +306,8 @@ def test_retrieval_and_oracle_baselines():
     agent = companion_task.agent(0, 0)
     inputs = companion_task.draw_inputs(np.random.default_rng(0), 200)
     answers = companion_task.answers(agent.rule, inputs)
-    w = study.fit_oracle(companion_task, inputs, answers, steps=500)
-    x = np.concatenate([study._one_hot(companion_task, inputs), np.ones((200, 1))], axis=1)
+    w = baselines.fit_oracle(companion_task, inputs, answers, steps=500)
+    x = np.concatenate([baselines.one_hot(companion_task, inputs), np.ones((200, 1))], axis=1)
     assert np.mean(np.argmax(x @ w.T, axis=1) == answers) > 0.9
 
 

@@ -1,4 +1,4 @@
-"""The companion study's baselines and variants (``nested.companion.study``): the online
+"""The companion study's baselines and variants (``experiments/studies/companion``): the online
 learners and raw retrieval on hand-made streams, the learning rate tuned on training agents
 only, the byte accounting, and the variants' rules."""
 
@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import tiny_configs
 
-from nested.companion import study
 from nested.data import CompanionTask
 from nested.run import config as nc
 from nested.run import pieces
 from nested.run.loading import Trained
+
+sys.path.insert(0, str(tiny_configs.ROOT / "experiments"))
+from studies.companion import baselines, study  # noqa: E402
 
 TASK = CompanionTask(num_features=5, features_per_input=2, num_labels=4, events=2, sessions=2,
                      session_length=1, rare_facts=0)  # fmt: skip
@@ -32,7 +34,7 @@ def ask(learner, *inputs):
 
 def test_online_logistic_takes_one_sgd_step_per_event():
     task = CompanionTask(num_features=4, features_per_input=2, num_labels=2, rare_facts=0)
-    learner = study.OnlineLogistic(task, 1, lr=1.0)
+    learner = baselines.OnlineLogistic(task, 1, lr=1.0)
     assert ask(learner, (0, 1)) == [0]  # W = 0: the first label
     feed(learner, [((0, 1), 1)])  # p = (1/2, 1/2), z = (1, 1, 0, 0, 1)
     assert np.allclose(learner.w[0], [[-0.5, -0.5, 0, 0, -0.5], [0.5, 0.5, 0, 0, 0.5]])
@@ -47,7 +49,7 @@ def test_online_logistic_takes_one_sgd_step_per_event():
 
 
 def test_vote_counter_sums_the_counts_of_the_input_features():
-    votes = study.VoteCounter(TASK, 1)
+    votes = baselines.VoteCounter(TASK, 1)
     assert ask(votes, (0, 3)) == [0]
     feed(votes, [((0, 1), 1), ((0, 2), 1), ((1, 3), 0)])
     # counts: label 1 has f0: 2, f1: 1, f2: 1; label 0 has f1: 1, f3: 1
@@ -56,7 +58,7 @@ def test_vote_counter_sums_the_counts_of_the_input_features():
 
 
 def test_raw_retrieval_answers_with_the_most_overlap_then_the_most_recent():
-    raw = study.RawRetrieval(TASK, 1, capacity=3)
+    raw = baselines.RawRetrieval(TASK, 1, capacity=3)
     assert ask(raw, (0, 1)) == [0]  # nothing stored
     feed(raw, [((0, 1), 0), ((1, 2), 1), ((3, 4), 2)])
     assert ask(raw, (0, 1), (1, 4), (0, 2)) == [0, 2, 1]
@@ -70,47 +72,47 @@ def test_the_learners_answer_many_agents_and_queries_at_once():
     inputs, answers = TASK.draw_inputs(rng, 6).reshape(3, 2, 2), rng.integers(0, 4, (3, 2))
     queries = TASK.draw_inputs(rng, 12).reshape(3, 4, 2)
     for make in (
-        lambda n: study.OnlineLogistic(TASK, n, 0.5),
-        lambda n: study.VoteCounter(TASK, n),
-        lambda n: study.RawRetrieval(TASK, n, 2),
+        lambda n: baselines.OnlineLogistic(TASK, n, 0.5),
+        lambda n: baselines.VoteCounter(TASK, n),
+        lambda n: baselines.RawRetrieval(TASK, n, 2),
     ):
         together = make(3)
-        study.test_then_train(together, inputs, answers)
+        baselines.test_then_train(together, inputs, answers)
         for r in range(3):
             alone = make(1)
-            study.test_then_train(alone, inputs[r : r + 1], answers[r : r + 1])
+            baselines.test_then_train(alone, inputs[r : r + 1], answers[r : r + 1])
             assert (alone.predict(queries[r : r + 1]) == together.predict(queries)[r]).all()
 
 
 def test_the_batched_oracle_fits_each_agent_as_alone():
     rng = np.random.default_rng(1)
     inputs, answers = TASK.draw_inputs(rng, 12).reshape(2, 6, 2), rng.integers(0, 4, (2, 6))
-    both = study.fit_oracle(TASK, inputs, answers, steps=20)
+    both = baselines.fit_oracle(TASK, inputs, answers, steps=20)
     for r in range(2):
-        assert np.allclose(both[r], study.fit_oracle(TASK, inputs[r], answers[r], steps=20))
+        assert np.allclose(both[r], baselines.fit_oracle(TASK, inputs[r], answers[r], steps=20))
 
 
 def test_equal_bytes_within_one_entry_and_every_event_kept_raw():
     budget, dim = 10496, 64  # the companion's fast state in configs/companion.py
     for k in (2, 3, 4):
         task = CompanionTask(features_per_input=k)
-        size = study.method_bytes(task, budget, dim)
+        size = baselines.method_bytes(task, budget, dim)
         entry = {"knn": 4 * dim + 4, "knn_recency": 4 * dim + 4, "raw_overlap": k + 1}
-        for method in study.EQUAL_BYTES:
+        for method in baselines.EQUAL_BYTES:
             assert size[method] <= budget, method
         for method, bytes_each in entry.items():  # the stores fill the budget
             assert size[method] > budget - bytes_each, method
         assert size["logistic"] == 4 * 8 * 33 and size["votes"] == 2 * 8 * 32  # whole classes
         lifetime = task.sessions * task.session_length * task.events
-        assert study.raw_capacity(task, budget) >= lifetime
-        store = study.RawRetrieval(task, 1, study.raw_capacity(task, budget))
+        assert baselines.raw_capacity(task, budget) >= lifetime
+        store = baselines.RawRetrieval(task, 1, baselines.raw_capacity(task, budget))
         assert store.nbytes == size["raw_overlap"]
 
 
 def test_tuning_picks_the_fewest_errors_of_the_grid():
     task = CompanionTask(num_features=8, num_labels=4, events=8, sessions=2, session_length=1)
     agents = study.training_agents(task, 4)
-    lr, errors = study.tune_learning_rate(task, agents, (0.0, 1.0), np.random.default_rng(0))
+    lr, errors = baselines.tune_learning_rate(task, agents, (0.0, 1.0), np.random.default_rng(0))
     assert lr == 1.0 and errors["1.0"] < errors["0.0"]
 
 
@@ -168,7 +170,7 @@ def test_held_out_agents_never_reach_the_tuner(tmp_path, monkeypatch):
     experiment = nc.build(tiny_configs.config("companion"))
     run, workdir = Trained(experiment, pieces.init_state(experiment), 0), tmp_path
     tuned, evaluated = [], []
-    tune, evaluate = study.tune_learning_rate, study._evaluate
+    tune, evaluate = baselines.tune_learning_rate, study._evaluate
 
     def spy_tune(task, agents, grid, rng):
         tuned.append((task, list(agents)))

@@ -22,7 +22,7 @@ from test_tokens import document_texts
 from nested.data import corpus
 from nested.data import tokens as tokens_mod
 from nested.learn import objectives
-from nested.run import checkpoint, lm_eval, pieces, rundir
+from nested.run import checkpoint, choice, lm_eval, perplexity, pieces, rundir
 from nested.run import config as nc
 from nested.run.config import ConfigError
 from nested.run.loading import Trained
@@ -109,7 +109,7 @@ def test_perplexity_is_the_hand_computed_mean_nll(models, persist):
     trained, task = models[persist]
     program, params = trained.program, trained.state.params
     rows = 3
-    got = lm_eval.perplexity(trained, task, rows)
+    got = perplexity.perplexity(trained, task, rows)
     stream = val_tokens(task)
     n = len(stream)
     x = np.concatenate([[EOS], stream, np.full(T, EOS)]).astype(np.int32)
@@ -165,9 +165,9 @@ def test_non_finite_logits_on_padding_score_nothing(models, persist):
     rows = 3
     stream = val_tokens(task)
     assert len(stream) % T and -(-len(stream) // T) % rows  # a padded window, and copies
-    poisoned = lm_eval.make_score_fn(PaddingDiverges(trained.program))
-    got = lm_eval.perplexity(trained, task, rows, poisoned)
-    want = lm_eval.perplexity(trained, task, rows)
+    poisoned = perplexity.make_score_fn(PaddingDiverges(trained.program))
+    got = perplexity.perplexity(trained, task, rows, poisoned)
+    want = perplexity.perplexity(trained, task, rows)
     for key in ("nll", "perplexity", "bits_per_byte"):
         assert math.isfinite(got[key])
         np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
@@ -186,7 +186,7 @@ def test_bits_per_byte_divides_by_the_text_bytes_of_a_bpe_corpus(folders):
     exp = nc.build(lm_config(folders["bpe"], vocab=300))
     trained = Trained(exp, pieces.init_state(exp), 0)
     task = lm_eval.eval_task(exp.task, None)
-    got = lm_eval.perplexity(trained, task, 4)
+    got = perplexity.perplexity(trained, task, 4)
     tokenizer = corpus.prepared_tokenizer(task.path, task.index)
     stream = val_tokens(task)
     decoded = tokenizer.hf.decode([int(t) for t in stream if t != tokenizer.eos_id])
@@ -201,7 +201,7 @@ def test_bits_per_byte_divides_by_the_text_bytes_of_a_bpe_corpus(folders):
 def test_nll_by_position_within_the_trained_length_is_the_plain_loss(models):
     trained, task = models["sequence"]
     program, params = trained.program, trained.state.params
-    got = lm_eval.by_position(trained, task, 4 * T, 3)
+    got = perplexity.by_position(trained, task, 4 * T, 3)
     stream = val_tokens(task)
     count = len(stream) // (4 * T)
     assert got["windows"] == count >= 2 and len(got["nll"]) == 4 * T
@@ -228,7 +228,7 @@ def test_aligned_windows_score_every_token_once_with_documents_on_the_grid(whole
     document after EOS pads to a multiple of A, the pads masked, each token a target once (the
     complete windows only, ``whole=False``, for the by-position means)."""
     stream = np.array([5, 6, EOS, 7, EOS, 1, 2, 3, 4, 8, EOS, 9, EOS], np.int32)
-    inputs, targets, mask = lm_eval.windows(stream, 4, EOS, whole=whole, align=4)
+    inputs, targets, mask = perplexity.windows(stream, 4, EOS, whole=whole, align=4)
     x = np.array([EOS, 0, 0, 0, 5, 6, EOS, 0, 7, EOS, 0, 0, 1, 2, 3, 4, 8, EOS, 0, 0, 9, EOS])
     real = x != 0
     count = 6 if whole else 5
@@ -255,7 +255,7 @@ def test_scores_declare_the_grid_only_where_the_documents_lie_on_it(folders):
     exp = nc.build(config)
     assert exp.program.document_grid == 4
     params = exp.program.init(jax.random.key(1)).params
-    score = lm_eval.make_score_fn(exp.program, EOS)
+    score = perplexity.make_score_fn(exp.program, EOS)
     tokens = np.random.default_rng(0).integers(0, EOS, (2, T + 1)).astype(np.int32)
     on, off = tokens.copy(), tokens.copy()
     on[:, [3, 11]] = EOS  # documents start at 4 and 12
@@ -288,11 +288,11 @@ EXAMPLES = [
 def test_multiple_choice_loglikelihoods_and_accuracies(models, tmp_path):
     trained, task = models["sequence"]
     program, params = trained.program, trained.state.params
-    examples = lm_eval.read_task(write_task(tmp_path / "t.jsonl", EXAMPLES))
+    examples = choice.read_task(write_task(tmp_path / "t.jsonl", EXAMPLES))
     tokenizer = corpus.prepared_tokenizer(task.path, task.index)
-    requests = lm_eval.make_requests(examples, tokenizer, T, "t")
+    requests = choice.make_requests(examples, tokenizer, T, "t")
     assert requests["inputs"].shape == (9, T)
-    got = lm_eval.choice_metrics(examples, lm_eval.loglikelihoods(trained, requests, 4))
+    got = choice.choice_metrics(examples, choice.loglikelihoods(trained, requests, 4))
     # Request 0 by hand: the context's trailing space moves to the continuation.
     tokens = np.frombuffer(b"alpha beta gamma", np.uint8).astype(np.int32)
     nll, _ = hand_nll(program, params, tokens[:-1], tokens[1:])
@@ -325,7 +325,7 @@ def test_multiple_choice_loglikelihoods_and_accuracies(models, tmp_path):
 )
 def test_acc_norm_divides_by_characters_and_acc_bytes_by_bytes(choices, lls, picked):
     for answer in (0, 1):
-        got = lm_eval.choice_metrics([lm_eval.Example("c", choices, answer)], np.array(lls))
+        got = choice.choice_metrics([choice.Example("c", choices, answer)], np.array(lls))
         expected = tuple(float(p == answer) for p in picked)
         assert (got["acc"], got["acc_norm"], got["acc_bytes"]) == expected
 
@@ -335,10 +335,10 @@ def test_encode_pair_follows_the_harness_with_a_bpe(folders):
     tokenizer = corpus.prepared_tokenizer(folders["bpe"], index)
     assert tokenizer.eos_id == index["tokenizer"]["eos_id"] == 0
     encode = lambda text: list(tokenizer.encode(text))
-    context_enc, continuation_enc = lm_eval.encode_pair(encode, 0, "alpha beta ", "gamma")
+    context_enc, continuation_enc = choice.encode_pair(encode, 0, "alpha beta ", "gamma")
     whole = encode("alpha beta gamma")
     assert context_enc == encode("alpha beta") and context_enc + continuation_enc == whole
-    assert lm_eval.encode_pair(encode, 0, "", "gamma") == ([0], encode("gamma"))
+    assert choice.encode_pair(encode, 0, "", "gamma") == ([0], encode("gamma"))
     (folders["bpe"].parent / "copy").mkdir()
     copy = folders["bpe"].parent / "copy"
     (copy / corpus.TOKENIZER_FILE).write_text("{}")
@@ -376,7 +376,7 @@ def test_bad_task_files_are_one_line(tmp_path, case):
     line, message = BAD_LINES[case]
     (tmp_path / "t.jsonl").write_text(line + "\n")
     with pytest.raises(ConfigError, match=message) as error:
-        lm_eval.read_task(tmp_path / "t.jsonl")
+        choice.read_task(tmp_path / "t.jsonl")
     assert "\n" not in str(error.value) and "t.jsonl" in str(error.value)
 
 
@@ -414,8 +414,8 @@ def test_bad_inputs_are_one_line_before_compiling(folders, tmp_path, monkeypatch
         lm_eval.evaluate_lm(mqar)
     for spec in (["copa"], ["val=x.jsonl"], ["a=x", "a=y"]):
         with pytest.raises(ConfigError, match=r"--tasks: "):
-            lm_eval.parse_tasks(spec)
-    assert lm_eval.parse_tasks(["a=x.jsonl", "b.c=y"]) == {"a": Path("x.jsonl"), "b.c": Path("y")}
+            choice.parse_tasks(spec)
+    assert choice.parse_tasks(["a=x.jsonl", "b.c=y"]) == {"a": Path("x.jsonl"), "b.c": Path("y")}
 
 
 def run(script: str, *args: str, cwd) -> tuple[int, str, list[str]]:

@@ -29,7 +29,7 @@ the slow weights learn how to learn an agent, never the agents. Row r's agent ``
 from (seed, r, a) alone. Eval split ``new_agent``: a held-out agent's first sequence (its
 ``reset`` set). Held-out agents for a study are this task with another ``seed``;
 :meth:`agent` gives one agent's rule, facts and events for the companion study
-(:mod:`nested.companion.study`) and its baselines.
+(``experiments/studies/companion``) and its baselines.
 """
 
 from __future__ import annotations
