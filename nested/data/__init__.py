@@ -5,13 +5,10 @@ number ``index`` of a split is a pure function of (seed, split, index), so the d
 of a run is just the index of its next batch. See ``nested.data.batch`` for the protocol.
 """
 
+from nested.core.batch import Batch, as_arrays, check_arrays, check_tokens
 from nested.data.batch import (
     STREAM_EXTRAS,
-    Batch,
     Task,
-    as_arrays,
-    check_arrays,
-    check_tokens,
     iterate,
     make_batch,
     render_example,

@@ -21,15 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from nested.core.batch import (  # noqa: F401 - the batch contract, re-exported for the tasks
-    Batch,
-    as_arrays,
-    check_arrays,
-    check_document_grid,
-    check_documents,
-    check_tokens,
-    off_grid,
-)
+from nested.core.batch import Batch  # the batch a program takes, and its checks
 
 
 class Task(Protocol):

@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from nested.core.batch import off_grid
 from nested.core.scheduler import Program
 from nested.data import TokensTask
-from nested.data.batch import off_grid
 from nested.data.tokens import align_documents, document_ids
 from nested.learn.objectives import token_cross_entropy
 from nested.run.loading import Trained
