@@ -14,8 +14,8 @@ registered kernel on each of its examples against the generic path (values and g
 float64, lengths that are not a multiple of the chunk), so registering a kernel registers its
 proof. Kernels are tried in registration order; the first that matches runs.
 
-The built-in kernels, :mod:`nested.core.builtin_kernels` (state layout: every memory is a tuple of layers ``({"w": W}, ...)``, the
-rule state a :class:`nested.rules.MomentumState`):
+The built-in kernels, :mod:`nested.core.builtin_kernels` (state layout: every memory is a
+tuple of layers ``({"w": W}, ...)``, the rule state a :class:`nested.rules.MomentumState`):
 
 * ``linear_attention``: ``W += h_t v_t k_t^T`` (Dot objective, any period);
 * ``delta_rule``: ``W += h_t (v_t - W k_t) k_t^T`` online, ``ttt_linear`` in mini-batches;
