@@ -41,8 +41,8 @@ def test_values_and_gradients_are_those_of_lax_scan(n):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_one_iteration_has_no_loop_and_several_a_rematerialised_one():
-    for n, loop, remat in ((1, False, False), (3, True, True)):
+def test_one_iteration_has_no_loop_and_every_step_is_rematerialised():
+    for n, loop, remat in ((1, False, True), (3, True, True)):
         carry, xs = _inputs(n)
         grad = jax.grad(lambda c: jnp.sum(loops.remat_scan(_step, c, xs)[0][0]))
         text = str(jax.make_jaxpr(grad)(carry))

@@ -2,13 +2,11 @@
 
 ``remat_scan(step, carry, xs)`` is ``jax.lax.scan(jax.checkpoint(step), carry, xs)``: the
 backward stores each iteration's carry and recomputes its step. A loop of one iteration
-(a sequence of one chunk, Hope's span of one period) runs as one call of ``step``, without a
-loop and without the checkpoint. Two costs go away then. A pullback that does not read the
-final carry (Hope's span gradients to its CMS blocks: only the logits are read) no longer
-runs that carry's backward, which a scan's vjp runs on zero cotangents. And the step is not
-recomputed a second time inside a caller that rematerialises it already (Hope's span, a
-layer's ``remat``); where none does, one step's saved values are what its recomputation
-would hold anyway.
+(a sequence of one chunk, Hope's span of one period) runs as one checkpointed call of
+``step``, without a loop: a pullback that does not read the final carry (Hope's span
+gradients to its CMS blocks: only the logits are read) then drops that carry's backward as
+dead code, which a scan's vjp runs on zero cotangents. The checkpoint stays, so a single
+large chunk (``every=2048``) holds no more for the backward than a loop of them would.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ def remat_scan(step: Callable, carry, xs, *, policy: Callable | None = None):
     length = {x.shape[0] for x in jax.tree.leaves(xs)}
     if len(length) != 1:
         raise ValueError(f"remat_scan: xs' leaves have leading axes {sorted(length)}; need one")
+    body = jax.checkpoint(step, prevent_cse=False, policy=policy)
     if length == {1}:
-        carry, y = step(carry, jax.tree.map(lambda x: x[0], xs))
+        carry, y = body(carry, jax.tree.map(lambda x: x[0], xs))
         return carry, jax.tree.map(lambda a: a[None], y)
-    return jax.lax.scan(jax.checkpoint(step, prevent_cse=False, policy=policy), carry, xs)
+    return jax.lax.scan(body, carry, xs)
