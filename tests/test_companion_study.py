@@ -204,12 +204,12 @@ def test_held_out_agents_never_reach_the_tuner(tmp_path, monkeypatch):
     assert result["tuning"]["lr"] in settings.lr_grid
     summary = study.format_summary(result)
     assert "k2 (k=2, linear)" in summary and "logistic lr" in summary
-    # The results page renders the study (benchmarks/results.py, in its own process).
+    # The results page renders the study (benchmarks/sections/companion.py, in its own process).
     code = (
         "import json, sys; from pathlib import Path; sys.path.insert(0, 'benchmarks');"
-        "import results; d = Path(sys.argv[1]);"
+        "from sections import companion, rows; d = Path(sys.argv[1]);"
         "record = {'command': 'train', 'after': {'command': 'study'}, 'error': None};"
-        "print('\\n'.join(results.companion_section({'companion/x': (record, [])}, d)))"
+        "print(companion.render(rows.Runs({'companion/x': (record, [])}, d, d)))"
     )
     (workdir / "companion").mkdir(exist_ok=True)
     (workdir / "companion" / "x").mkdir(exist_ok=True)

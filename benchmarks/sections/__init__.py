@@ -1,0 +1,1 @@
+"""The sections of RESULTS.md, one module each (``benchmarks/results.py`` renders them)."""
