@@ -137,8 +137,17 @@ tokens, ``C`` in :data:`LARGE_CHUNKS` (``levels.memory.every = C``; the Titans s
 dual form); it is a different rule from ``every=16`` (C gradients at one state), not a faster
 way to compute it.
 
+Padded vocabularies: the embedding and the output head are padded to a multiple of
+``model.vocab_multiple`` = 128 (Megatron's ``make-vocab-size-divisible-by`` default), the padded
+logits masked to zero probability (:class:`nested.nn.models.MemoryLM`), so a tensor axis of any
+size dividing 128 divides them: ``--config.task.vocab_size=50257`` (GPT-2's) trains on 50304
+columns. 32000 and ``small``'s 8192 are multiples of 128 already: nothing is padded there.
+``tiny`` keeps 1 (no padding): its 257 bytes would grow to 384 columns, half again the head's
+work and parameters, and its numbers would change; on a tensor axis give it
+``--config.model.vocab_multiple=8`` (264 columns) or 128.
+
 Overrides as usual: ``--config.train.batch_size=64`` (``train.steps`` does not follow it),
-``--config.task.vocab_size=50304``, ``--config.levels.memory.every=64``.
+``--config.task.vocab_size=50257``, ``--config.levels.memory.every=64``.
 """
 
 from ml_collections import config_dict
@@ -194,6 +203,8 @@ CPU = {
     "tiny": dict(seq_len=64, vocab=257, batch_size=8, steps=200, lr=3e-3, warmup=20, window=32),
     "small": dict(seq_len=256, vocab=8192, batch_size=16, steps=150, lr=3e-3, warmup=15, window=64),
 }
+# model.vocab_multiple (the module docstring): 128, Megatron's and MaxText's, except at tiny
+VOCAB_MULTIPLE = {"tiny": 1}
 
 WINDOW = 512  # Titans MAC segment, MAG / MAL attention window
 CMS_PERIODS = {"tiny": (16, 32, 64), "paper": (16, 64, 256)}  # Hope, fastest first (small: paper)
@@ -337,7 +348,11 @@ def get_config(arg=None):
         "tokens", seq_len=seq_len, vocab_size=cpu["vocab"] if on_cpu else VOCAB
     )
     config.model = nc.model_config(
-        "memory_lm", level="memory" if levels else None, **backbone, **model
+        "memory_lm",
+        level="memory" if levels else None,
+        vocab_multiple=VOCAB_MULTIPLE.get(size, 128),
+        **backbone,
+        **model,
     )
     config.levels = config_dict.ConfigDict(
         {level: nc.level_config(**fields) for level, fields in levels.items()}

@@ -15,9 +15,9 @@ phases of processes run side by side:
 
 Every test here runs with -m slow (``.ci/run`` runs them after the default suite): the
 8-device processes take about a minute, the language models' steps (tiny Hope and Titans-MAC,
-10 steps on three meshes) and the 1.3B Transformer++ step compiled for 64 devices longer
-(``benchmarks/pod_memory.py``, whose compile the bytes test also uses, sizes any config on a
-pod).
+10 steps on three meshes; tiny Hope and Transformer++ on the padded bytes vocabulary, on two)
+and the 1.3B Transformer++ step compiled for 64 devices longer (``benchmarks/pod_memory.py``,
+whose compile the bytes test also uses, sizes any config on a pod).
 """
 
 import json
@@ -89,15 +89,16 @@ SCRIPT = textwrap.dedent(
             return str(e)
         return None
 
-    def lm(variant, mesh, microbatches=1):
+    def lm(variant, mesh, microbatches=1, more=None):
         cfg = nc.load(str(tiny_configs.ROOT / "configs" / "lm.py") + ":" + variant)
         fields = {"task.vocab_size": 256, "task.seq_len": 64, "train.batch_size": 8,
                   "train.eval_batch_size": 8, "train.microbatches": microbatches}
         fields.update({f"train.mesh.{k}": v for k, v in mesh.items()})
+        fields.update(more or {})
         return nc.build(tiny_configs.override(cfg, fields))
 
-    def lm_losses(variant, mesh, microbatches=1, steps=10):
-        exp = lm(variant, mesh, microbatches)
+    def lm_losses(variant, mesh, microbatches=1, more=None, steps=10):
+        exp = lm(variant, mesh, microbatches, more)
         layout = pieces.make_layout(exp, devices=jax.devices()[: 1 if not mesh else None])
         state = pieces.init_state(exp, layout)
         x = np.random.default_rng(0).integers(0, 256, (steps, 8, 65))
@@ -144,7 +145,15 @@ SCRIPT = textwrap.dedent(
         compiled = pod_memory.compiled_memory(config)
         return {k: compiled[k] for k in ("parameters", "devices", "arguments", "bytes")}
 
+    def error_lm(variant, mesh, more):
+        try:
+            pieces.make_layout(lm(variant, mesh, more=more))
+        except nc.ConfigError as e:
+            return str(e)
+        return None
+
     KINDS = {"train": train_run, "error": error, "lm": lm_losses, "bytes": state_bytes,
+             "error_lm": error_lm,
              "mlp_temp": mlp_temp, "pod": pod}
     BATCH = json.loads(sys.argv[3])
     jobs = json.loads(sys.argv[2])
@@ -333,6 +342,33 @@ def test_language_models_on_three_meshes_match_one_device(variant):
     assert len(one) == 10 and np.all(np.isfinite(one))
     for name, losses in result.items():
         np.testing.assert_allclose(losses, one, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# The bytes vocabulary (257) padded to 384 (model.vocab_multiple=128), which tensor=8 divides;
+# at tensor=8 the tiny models' 4 heads and Hope's CMS blocks (172 wide) stay whole.
+BYTES = {"task.vocab_size": 257, "model.vocab_multiple": 128}
+WHOLE = {"train.mesh.rules.heads": "", "train.mesh.rules.mlp": ""}
+PADDED_MESHES = {
+    "data_fsdp_tensor": (MESH, BYTES),
+    "tensor_8": ({"data": 1, "tensor": 8}, {**BYTES, **WHOLE}),
+}
+
+
+@pytest.mark.parametrize("variant", ["hope-tiny", "transformer-tiny"])
+def test_a_padded_bytes_vocabulary_trains_on_tensor_meshes_as_on_one_device(variant):
+    """10 steps of a tiny language model on the bytes vocabulary, padded, on data=2 x fsdp=2 x
+    tensor=2 and on tensor=8 (each with its rules on one device too): the one-device losses.
+    Unpadded, tensor=2 stops: "dim 0 (vocab) of size 257 is not divisible"."""
+    jobs = {"unpadded": ["error_lm", variant, MESH, {"task.vocab_size": 257}]}
+    for name, (mesh, more) in PADDED_MESHES.items():
+        jobs[name] = ["lm", variant, mesh, 1, more]
+        jobs[f"{name}_one"] = ["lm", variant, {}, 1, more]
+    result, _ = finish(start(jobs, devices=8, env={}))
+    assert "model.vocab_multiple=128" in result.pop("unpadded")
+    for name in PADDED_MESHES:
+        one = result[f"{name}_one"]
+        assert len(one) == 10 and np.all(np.isfinite(one))
+        np.testing.assert_allclose(result[name], one, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_a_paper_size_model_compiles_for_64_devices_within_80_gb():

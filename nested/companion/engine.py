@@ -347,7 +347,7 @@ class Companion:
             logits, _ = self.program.apply(params, tokens, fast)
             readout.reads = []
         rows = jnp.arange(tokens.shape[0])
-        probs = jax.nn.softmax(logits[rows, last].astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(logits[rows, last, : self.vocab].astype(jnp.float32), axis=-1)
         top, ids = jax.lax.top_k(probs, self.top_k)
         reads = [o[rows, last].reshape(tokens.shape[0], -1) for o in readout.reads]
         reads = jnp.concatenate(reads, axis=-1) if reads else jnp.zeros((tokens.shape[0], 0))

@@ -109,7 +109,7 @@ def _difference(system: Level, model: Level) -> str:
 
 
 # Token ids outside the model's vocabulary: where the bound comes from, and the fix.
-_VOCAB = "the model's vocabulary: its logits' last dim"
+_VOCAB = "the model's vocabulary: Program.vocab"
 _FIX = "fix the data or build a model of that vocabulary"
 
 
@@ -168,6 +168,7 @@ class Program:
                     f"system from the same Level (equal names must be equal levels)"
                 )
         self._abstract_params = abstract_params
+        self._model_vocab = getattr(model, "vocab", None)
         self.outer = outer
         self.tx = outer.update
         self.outer_loss_levels = {
@@ -188,7 +189,12 @@ class Program:
 
     @functools.cached_property
     def vocab(self) -> int:
-        """V, the last dim of the model's logits ``(B, T, V)``: token ids lie in ``[0, V)``."""
+        """V: token ids lie in ``[0, V)``. The model's ``vocab`` attribute where it has one (its
+        logits may be wider: padded columns of zero probability, as
+        :class:`nested.nn.models.MemoryLM`'s ``vocab_multiple``), else the last dim of its
+        logits ``(B, T, V)``."""
+        if self._model_vocab is not None:
+            return self._model_vocab
         tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
         with probes.probing(None):  # a shape inference, not a call for a probe to measure
             logits = jax.eval_shape(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
@@ -45,6 +46,13 @@ REMAT = {
     "save_dots": jax.checkpoint_policies.dots_saveable,
     "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple``: the rows of the embedding and the
+    columns of the output head (Megatron's ``make-vocab-size-divisible-by``)."""
+    return -(-vocab // multiple) * multiple
+
 
 MIXERS = ("memory", "context", "gate", "layer", "self_modifying", "adatransformer", "attention")
 
@@ -153,15 +161,23 @@ class MemoryLM(nnx.Module):
     """A causal language model of ``layers`` blocks whose mixers run the fast level ``level``
     (None for ``mixer="attention"``, the Transformer++ baseline).
 
-    ``tokens (B, T) int -> logits (B, T, vocab)``. ``mixer`` picks the block's token mixer
-    (:func:`make_mixer`; ``window`` is the attention window of the hybrid mixers and of
-    ``"attention"``); the MLP blocks are ``mlp_hidden`` wide (None: ``mlp_ratio * dim``;
-    Llama's SwiGLU is ``8/3 dim`` rounded), ``mlp_ratio=0`` drops them; ``cms`` (levels,
-    fastest first) replaces each MLP by a Continuum Memory System; ``projections`` is the
-    projection level of the self-modifying (Hope) mixer. Other keyword arguments go to the
-    memory layers (:class:`nested.nn.layers.MemoryLayer`: ``conv``, ``key_shift``, ``turn``,
-    ``experts``...). ``remat`` picks what each block keeps for the backward pass
-    (:data:`REMAT`); it changes memory and time, never the values.
+    ``tokens (B, T) int -> logits (B, T, V)``, ``V = padded_vocab(vocab, vocab_multiple)``:
+    the embedding and the head are padded to a multiple of ``vocab_multiple`` (1: none, 128 as
+    Megatron and MaxText), so that a tensor axis divides them. The padded logits (columns
+    ``vocab..V-1``) hold the dtype's lowest finite value: every softmax gives them exactly zero
+    probability, ``argmax`` never picks them, and being finite they give no NaN in ``0 * log p``;
+    their head columns get zero gradients. Masked rather than sliced to ``vocab``, so the
+    logits keep a shape the tensor axis divides. ``self.vocab`` is the ids the model reads and
+    predicts (:attr:`nested.core.scheduler.Program.vocab`).
+
+    ``mixer`` picks the block's token mixer (:func:`make_mixer`; ``window`` is the attention
+    window of the hybrid mixers and of ``"attention"``); the MLP blocks are ``mlp_hidden`` wide
+    (None: ``mlp_ratio * dim``; Llama's SwiGLU is ``8/3 dim`` rounded), ``mlp_ratio=0`` drops
+    them; ``cms`` (levels, fastest first) replaces each MLP by a Continuum Memory System;
+    ``projections`` is the projection level of the self-modifying (Hope) mixer. Other keyword
+    arguments go to the memory layers (:class:`nested.nn.layers.MemoryLayer`: ``conv``,
+    ``key_shift``, ``turn``, ``experts``...). ``remat`` picks what each block keeps for the
+    backward pass (:data:`REMAT`); it changes memory and time, never the values.
     """
 
     def __init__(
@@ -169,6 +185,7 @@ class MemoryLM(nnx.Module):
         level: Level | None = None,
         *,
         vocab: int,
+        vocab_multiple: int = 1,
         dim: int,
         heads: int,
         layers: int = 2,
@@ -185,6 +202,12 @@ class MemoryLM(nnx.Module):
         if remat not in REMAT:
             raise ValueError(f"remat={remat!r} is unknown; use one of {list(REMAT)}")
         self.remat = remat
+        if not isinstance(vocab_multiple, int) or vocab_multiple < 1:
+            raise ValueError(
+                f"vocab_multiple={vocab_multiple!r} must be an int >= 1 (1: no padding; e.g. "
+                f"128 pads the vocabulary {vocab} to {padded_vocab(vocab, 128)})"
+            )
+        self.vocab = vocab
         if (mixer == "self_modifying") != (projections is not None):
             raise ValueError(
                 "MemoryLM: mixer='self_modifying' needs the projection level (projections=...) "
@@ -192,7 +215,8 @@ class MemoryLM(nnx.Module):
             )
         if projections is not None:
             memory_kwargs["projections"] = projections
-        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        padded = padded_vocab(vocab, vocab_multiple)
+        self.embed = nnx.Embed(padded, dim, rngs=rngs)
         self.blocks = nnx.List(
             [
                 Block(
@@ -214,15 +238,16 @@ class MemoryLM(nnx.Module):
             ]
         )
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
-        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+        self.head = nnx.Linear(dim, padded, use_bias=False, rngs=rngs)
 
     def initial_fast(self, batch_size: int):
         return tuple(block.initial_state(batch_size) for block in self.blocks)
 
     def __call__(self, tokens: jax.Array, fast, documents=None):
-        """``tokens (B, T) -> (logits (B, T, vocab), fast)``; ``documents (B, T)`` int, the
-        document of each position of a packed row: every fast level and cache restarts where
-        a new one starts inside the row (:func:`nested.core.inner.document_starts`)."""
+        """``tokens (B, T) -> (logits (B, T, V), fast)`` (``V`` padded: the class docstring);
+        ``documents (B, T)`` int, the document of each position of a packed row: every fast
+        level and cache restarts where a new one starts inside the row
+        (:func:`nested.core.inner.document_starts`)."""
         starts = None if documents is None else inner.document_starts(documents)
         # In the table's dtype: nnx.Embed returns float32 even from a bfloat16 table, and the
         # table's dtype is the model's compute dtype (nested.compile's compute_dtype).
@@ -239,4 +264,8 @@ class MemoryLM(nnx.Module):
                 x, state = run(variables, x, state, starts)
             states.append(state)
         with jax.named_scope("head"):
-            return self.head(self.norm(x)), tuple(states)
+            logits = self.head(self.norm(x))
+            if logits.shape[-1] > self.vocab:
+                column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+                logits = jnp.where(column < self.vocab, logits, jnp.finfo(logits.dtype).min)
+            return logits, tuple(states)

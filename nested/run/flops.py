@@ -41,7 +41,8 @@ Conventions.
   (the neural memories' chunks are read from each segment's base state, up to 3 passes;
   ATLAS falls back to the per-token generic loop): overhead, not model FLOPs.
 
-Notation: ``L`` layers, ``d`` width, ``h`` heads, ``V`` vocabulary, ``T`` sequence length,
+Notation: ``L`` layers, ``d`` width, ``h`` heads, ``V`` vocabulary (the task's: the columns a
+padded vocabulary adds, ``model.vocab_multiple``, are overhead), ``T`` sequence length,
 ``m`` the SwiGLU width, ``d_k, d_v`` a memory head's key and value widths, ``w`` the
 convolution width, ``g`` the gate widths of a level summed over its gates (1 per scalar gate),
 ``C`` an update chunk, ``N = ceil(T / C)`` chunks, ``W`` an attention window. Neural memories

@@ -22,12 +22,14 @@ norm's scale, a convolution's taps and channels, a gate's bias) is split along `
 largest dimension that ``fsdp`` divides (:func:`fsdp_spec`). A mesh axis serves one dimension
 of a parameter: a later dimension mapped to an axis already used stays whole. A dimension
 that a rule maps onto mesh axes whose product does not divide it is an error naming the
-parameter, the axis and the fix (:func:`spec_of`). :func:`replicated_large` lists the
-parameters above a size that no axis splits, so nothing is replicated by accident.
+parameter, the axis and the fix (:func:`spec_of`; for ``vocab``, padding it with
+``model.vocab_multiple``). :func:`replicated_large` lists the parameters above a size that no
+axis splits, so nothing is replicated by accident.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import types
 from collections.abc import Mapping
@@ -142,11 +144,17 @@ def spec_of(
         if targets and size % split:
             if strict:
                 over = " x ".join(f"{a}={mesh_shape[a]}" for a in targets)
+                pad = (
+                    f", or pad the vocabulary to a multiple of {split}: "
+                    f"model.vocab_multiple={math.lcm(split, 128)}"
+                    if logical == "vocab"
+                    else ""
+                )
                 raise ValueError(
                     f"train.mesh: parameter {name} {tuple(shape)}: dim {dim} ({logical}) of "
                     f"size {size} is not divisible by the mesh axes {over} that "
                     f"train.mesh.rules.{logical}={rules.get(logical)!r} puts it on; choose "
-                    f"mesh sizes that divide {size}, or set train.mesh.rules.{logical}=''"
+                    f"mesh sizes that divide {size}, or set train.mesh.rules.{logical}=''{pad}"
                 )
             targets = ()
         used.update(targets)

@@ -21,7 +21,9 @@ costs ``P`` tokens of compute.
 ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely tokens when given;
 draw ``i`` uses ``fold_in(rng, i)``, so a seed fixes the continuation. A row stops after any
 of the ``stop`` tokens (the stop token is part of its continuation); generation ends when
-every row has stopped or after ``max_new_tokens``.
+every row has stopped or after ``max_new_tokens``. Draws are over the ``program.vocab`` real
+ids: a padded vocabulary's columns (``model.vocab_multiple``) are cut off, so a padded model
+draws what the same weights unpadded draw.
 
 Levels learning from the outer loss (CMS blocks) read their state without learning, as in
 ``Program.apply`` without targets.
@@ -95,6 +97,7 @@ def _step(carry: _Carry, params, stop, key, index, temperature, *, program, gree
     """One new token per row from the buffer; see the module docstring."""
     logits, after = program.apply(params, carry.buffer, carry.fast)  # (B, P, V)
     logits = jax.lax.dynamic_index_in_dim(logits, carry.n - 1, axis=1, keepdims=False)
+    logits = logits[:, : program.vocab]  # a padded vocabulary's columns: never drawn
     if greedy:
         token = jnp.argmax(logits, axis=-1)
     else:
