@@ -263,6 +263,10 @@ def test_bad_model_args_and_requests_are_one_line(lm, workdir, folders, tmp_path
         match=r"request 0: the continuation ' x x x.* is 20 tokens, not 1 \.\. 16; pass",
     ):
         lm.loglikelihood([request("loglikelihood", "a", " x" * 20)])
+    # The harness finds the model by name and builds it from its model_args string.
+    assert lm_eval.api.registry.get_model("nested") is harness.NestedLM
+    with pytest.raises(ConfigError, match=r"model_args \['pretrained'\]: unknown"):
+        harness.NestedLM.create_from_arg_string(f"workdir={workdir},pretrained=gpt2", {})
     with pytest.raises(ConfigError, match=r"gen_kwargs \['top_p'\] are not supported"):
         lm.generate_until([request("generate_until", "a", {"until": [], "top_p": 0.9})])
 

@@ -7,16 +7,19 @@ own registry, filled on import, and reads no entry point group of other packages
 command line is ``python -m nested.run.harness`` (:func:`main`: this registration, then the
 harness's own ``lm_eval`` command line, every argument as there)::
 
-    python -m nested.run.harness --model nested --model_args workdir=runs/x,batch_size=8 \\
+    python -m nested.run.harness --model nested --model_args workdir=runs/x --batch_size 8 \\
         --tasks wikitext,lambada_openai,piqa
 
 ``model_args``: ``workdir`` (a run of ``experiments/train.py`` on the task ``tokens``),
 ``step`` (its checkpoint of that step; default the latest readable one), ``batch_size`` (rows
-per call; default ``train.eval_batch_size``; the harness's ``--batch_size``), ``max_length``
-(default below), ``tokenizer`` (``bytes`` or a ``tokenizer.json``; default the run's corpus's:
-its ``tokenizer.json``, or bytes for a bytes corpus), ``max_gen_toks`` (default 256) and
-``seed`` (of sampled generations). Text becomes token ids with the run's tokenizer, and EOS
-(what precedes a document in training) is the harness's prefix token.
+per call; default ``train.eval_batch_size``; on the command line the harness's own
+``--batch_size``, default 1), ``max_length`` (default below), ``tokenizer`` (``bytes`` or a
+``tokenizer.json``; default the run's corpus's: its ``tokenizer.json``, or bytes for a bytes
+corpus), ``max_gen_toks`` (default 256) and ``seed`` (of sampled generations). Text becomes
+token ids with that tokenizer; EOS (what precedes a document in training) is the harness's
+prefix token, and an EOS inside a text (a BPE's ``<|endoftext|>``) starts a new document.
+Tasks read from a hub need it, or its datasets in the local cache with
+``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1``.
 
 **loglikelihood** ``(context, continuation)``: as ``eval_lm``'s multiple-choice tasks
 (:mod:`nested.run.choice`: the harness's ``_encode_pair``, the context cut from the left so
@@ -29,8 +32,8 @@ is the argmax (``is_greedy``).
 (default the run's val length), every token a target once, documents restarting after each
 EOS, laid out as the run's training windows (``task.align``); a ``persist="stream"`` level
 carries its state from window to window of the text, a ``persist="sequence"`` one restarts at
-every window, as in training. (The harness's own models instead give the last window a full
-context of L tokens; a fast-weight memory reads it in its state.) Returns ``sum_t log p``.
+every window, as in training. (The harness's Hugging Face models score each window afresh, the
+last one with a full context of L tokens.) Returns ``sum_t log p`` over the text's tokens.
 
 **generate_until** ``(context, {"until", "max_gen_toks", "do_sample", "temperature",
 "top_k"})``: :func:`nested.run.sampling.generate` from the context's last ``max_length -
