@@ -4,9 +4,13 @@ The tests' programs are tiny, so their time is mostly XLA's compile time: the CP
 generation runs unoptimised, without LLVM's expensive passes, and with the loop emitters rather
 than the MLIR fusion emitters (which take about three times as long on the tests' programs); the
 HLO passes still run. This holds in every test and in the subprocesses the tests start.
-Benchmarks and runs keep the default."""
+Benchmarks and runs keep the default. Nothing comes from a hub: Hugging Face datasets and hub
+run offline (the harness's tasks in tests/harness_tasks read local files)."""
 
 import os
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 os.environ["XLA_FLAGS"] = " ".join(
     [

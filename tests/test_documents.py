@@ -76,6 +76,13 @@ def one_by_one(level, state, initial, ctx):
     return jnp.concatenate(outputs), jax.tree.map(lambda *x: jnp.concatenate(x), *finals)
 
 
+def test_document_starts_of_one_position_and_more():
+    one = inner.document_starts(jnp.zeros((2, 1), jnp.int32))
+    assert one.shape == (2, 1) and not one.any()  # a one-token window (a sampling step)
+    got = inner.document_starts(jnp.array([[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]]))
+    assert got.tolist() == [[False, False, True, False, True], [False, True, False, False, False]]
+
+
 def packed(level, state, initial, ctx):
     starts = inner.document_starts(documents_of())
     return inner.run(level, state, ctx._replace(starts=starts, initial=initial), path="generic")

@@ -77,7 +77,7 @@ def document_starts(documents: jax.Array) -> jax.Array:
     """``starts (B, T)`` bool from document ids ``documents (B, T)`` int: True at ``t > 0``
     where ``documents[:, t] != documents[:, t - 1]``."""
     change = documents[:, 1:] != documents[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+    return jnp.concatenate([jnp.zeros((len(documents), 1), bool), change], axis=1)
 
 
 def document_begins(starts: jax.Array) -> jax.Array:

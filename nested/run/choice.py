@@ -131,13 +131,11 @@ def encode_pair(
 def make_requests(
     examples: Sequence[Example], tokenizer: corpus.Tokenizer, length: int, where: str
 ) -> dict[str, np.ndarray]:
-    """The ``loglikelihood`` requests of ``examples``, one row per choice in order: ``inputs``,
-    ``targets`` (R, T = ``length``) int32 of ``(context_enc + continuation_enc)[-(T + 1):]``,
-    left-aligned and padded with EOS; ``valid`` (R, T) 1 at its tokens, ``scored`` (R, T) 1 at
-    the continuation's targets. :class:`ConfigError` naming ``where`` for a continuation of
-    more than T tokens."""
+    """The ``loglikelihood`` requests of ``examples``, one row per choice in order
+    (:func:`request_arrays` of their :func:`encode_pair`). :class:`ConfigError` naming
+    ``where`` for a continuation of more than T = ``length`` tokens."""
     eos = tokenizer.eos_id
-    rows = []
+    pairs = []
     for i, example in enumerate(examples):
         for j, choice in enumerate(example.choices):
             context_enc, continuation_enc = encode_pair(
@@ -149,12 +147,22 @@ def make_requests(
                     f"{len(continuation_enc)} tokens, not 1 .. {length} (the trained seq_len); "
                     "shorten the choice"
                 )
-            rows.append((context_enc, continuation_enc))
-    shape = (len(rows), length)
+            pairs.append((context_enc, continuation_enc))
+    return request_arrays(pairs, length, eos)
+
+
+def request_arrays(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], length: int, eos: int
+) -> dict[str, np.ndarray]:
+    """``(context_enc, continuation_enc)`` pairs (continuations of 1 .. T = ``length`` tokens)
+    as rows: ``inputs``, ``targets`` (R, T) int32 of ``(context_enc + continuation_enc)[-(T +
+    1):]``, left-aligned and padded with EOS; ``valid`` (R, T) 1 at its tokens, ``scored`` (R,
+    T) 1 at the continuation's targets."""
+    shape = (len(pairs), length)
     inputs, targets = np.full(shape, eos, np.int32), np.full(shape, eos, np.int32)
     valid, scored = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    for r, (context_enc, continuation_enc) in enumerate(rows):
-        tokens = (context_enc + continuation_enc)[-(length + 1) :]
+    for r, (context_enc, continuation_enc) in enumerate(pairs):
+        tokens = (list(context_enc) + list(continuation_enc))[-(length + 1) :]
         n = len(tokens) - 1
         inputs[r, :n], targets[r, :n] = tokens[:-1], tokens[1:]
         valid[r, :n] = 1.0
@@ -167,19 +175,26 @@ def loglikelihoods(
     requests: Mapping[str, np.ndarray],
     batch_size: int,
     score: Callable | None = None,
-) -> np.ndarray:
+    *,
+    greedy: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """(R,) float64: ``ll_r = -sum_t nll[r, t] scored[r, t]`` of every request, from the learned
-    initial state, ``batch_size`` rows per call (the last batch padded)."""
-    score = score or make_score_fn(trained.program)
+    initial state, ``batch_size`` rows per call (the last batch padded). With ``greedy`` (and a
+    ``score`` of :func:`make_score_fn` with ``greedy=True``, if given) also (R,) bool: whether
+    every scored target is the argmax of its logits (the harness's ``is_greedy``)."""
+    score = score or make_score_fn(trained.program, greedy=greedy)
     names = ("inputs", "targets", "valid", "scored")
     count = len(requests["inputs"])
     inputs, targets, valid, scored = padded([requests[k] for k in names], batch_size)
-    out = []
+    lls, hits = [], []
     for i in tqdm(range(0, len(inputs), batch_size), desc="choices", disable=None):
         part = slice(i, i + batch_size)
-        nll, _ = score(trained.state.params, inputs[part], targets[part], valid[part], None)
-        out.append(-(np.asarray(nll, np.float64) * scored[part]).sum(axis=1))
-    return np.concatenate(out)[:count]
+        nll, *best, _ = score(trained.state.params, inputs[part], targets[part], valid[part], None)
+        lls.append(-(np.asarray(nll, np.float64) * scored[part]).sum(axis=1))
+        if greedy:
+            hits.append(np.all(np.asarray(best[0]) | (scored[part] == 0), axis=1))
+    lls = np.concatenate(lls)[:count]
+    return (lls, np.concatenate(hits)[:count]) if greedy else lls
 
 
 def choice_metrics(examples: Sequence[Example], lls: np.ndarray) -> dict[str, Any]:

@@ -57,8 +57,9 @@ SPLIT = "val"
 POSITION = "position"
 
 
-def make_score_fn(program: Program, eos_id: int | None = None) -> Callable:
-    """``(params, inputs, targets, mask, fast) -> (nll (B, T), fast)``, jitted.
+def make_score_fn(program: Program, eos_id: int | None = None, *, greedy: bool = False) -> Callable:
+    """``(params, inputs, targets, mask, fast) -> (nll (B, T), fast)``, jitted; with ``greedy``
+    ``(nll, greedy (B, T) bool, fast)``, ``greedy[b, t] = argmax(logits[b, t]) == targets[b, t]``.
 
     ``nll[b, t] = -log softmax(logits[b, t])[targets[b, t]]``, 0 where ``mask`` (B, T) is 0, of
     :meth:`Program.apply` over ``inputs`` (B, T) with ``targets`` and ``mask``; ``fast`` None
@@ -83,7 +84,10 @@ def make_score_fn(program: Program, eos_id: int | None = None) -> Callable:
             document_grid=grid,
         )
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-        return token_cross_entropy(logits, {"targets": targets, "mask": mask}), fast
+        nll = token_cross_entropy(logits, {"targets": targets, "mask": mask})
+        if greedy:
+            return nll, jnp.argmax(logits, axis=-1) == targets, fast
+        return nll, fast
 
     jitted = jax.jit(score, static_argnames="grid")
 
@@ -141,25 +145,43 @@ def padded(arrays: Sequence[np.ndarray], rows: int) -> list[np.ndarray]:
     return [np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) for a in arrays]
 
 
+def row_nll(
+    trained: Trained,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    mask: np.ndarray,
+    score: Callable,
+    desc: str = "perplexity",
+) -> np.ndarray:
+    """(B,) float64: ``sum_{k, t} nll[k, b, t]`` of K windows per row, ``inputs``, ``targets``,
+    ``mask`` (K, B, L) scored in K calls of ``score`` (:func:`make_score_fn`) in turn: a level
+    with ``persist="stream"`` carries its state along a row from the learned initial state at
+    its first window, a ``persist="sequence"`` one restarts at every window (module
+    docstring)."""
+    program, params = trained.program, trained.state.params
+    carried = (
+        program.start_fast(params, inputs.shape[1]) if trained.experiment.carries_fast else None
+    )
+    total = np.zeros(inputs.shape[1], np.float64)
+    for k in tqdm(range(len(inputs)), desc=desc, disable=None):
+        nll, fast = score(params, inputs[k], targets[k], mask[k], carried)
+        total += np.asarray(nll, np.float64).sum(axis=1)
+        carried = None if carried is None else fast
+    return total
+
+
 def perplexity(
     trained: Trained, task: TokensTask, batch_size: int, score: Callable | None = None
 ) -> dict[str, Any]:
     """Perplexity and bits per byte of the whole ``val`` split (module docstring)."""
-    program, params = trained.program, trained.state.params
-    score = score or make_score_fn(program)
+    score = score or make_score_fn(trained.program)
     length = task.split_seq_len(SPLIT)
     stream = val_stream(task)
     inputs, targets, mask = windows(stream, length, task.eos_id, align=task.align or 1)
     count = len(inputs)
     (inputs, targets, mask), real = as_rows([inputs, targets, mask], batch_size)
     mask = mask * real[..., None]  # the copies past W score nothing
-    carries = trained.experiment.carries_fast
-    carried = program.start_fast(params, batch_size) if carries else None
-    total = 0.0
-    for k in tqdm(range(len(inputs)), desc="perplexity", disable=None):
-        nll, fast = score(params, inputs[k], targets[k], mask[k], carried)
-        total += float(np.sum(np.asarray(nll, np.float64)))
-        carried = None if carried is None else fast
+    total = float(row_nll(trained, inputs, targets, mask, score).sum())
     n, size = len(stream), int(task.index["splits"][SPLIT]["bytes"])
     return {
         "tokens": n,
@@ -167,7 +189,7 @@ def perplexity(
         "windows": count,
         "seq_len": length,
         "rows": batch_size,
-        "carried": carries,
+        "carried": trained.experiment.carries_fast,
         "nll": total / n,
         "perplexity": math.exp(total / n),
         "bits_per_byte": total / math.log(2) / size,
