@@ -377,8 +377,12 @@ def config_facts(spec: str) -> dict:
         return {"error": f"{type(error).__name__}: {error}", "keys": []}
 
 
-def resolve(name: str) -> str | None:
-    """None if ``nested.a.b.c`` is a module or an attribute of one, else why not."""
+def resolve(name: str, ran: set[str]) -> str | None:
+    """None if ``nested.a.b.c`` is a module or an attribute of one, else why not. A module of
+    ``ran`` (run as ``__main__`` already) is not imported again: it may register itself in a
+    registry on import (``nested.run.harness``), which refuses a second class of the name."""
+    if any(name == module or name.startswith(f"{module}.") for module in ran):
+        return None
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         with contextlib.suppress(ImportError):
@@ -400,7 +404,11 @@ def main(targets: list[str], specs: list[str], names: list[str]) -> dict:
         raise Captured("absl", sorted(flags.FLAGS))
 
     def argparse_parse(parser, *args, **kwargs):
-        raise Captured("argparse", sorted(parser._option_string_actions))
+        """The parser's options and its subcommands' (``lm_eval run --model ...``)."""
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        commands = [command for action in subparsers for command in action.choices.values()]
+        options = {o for p in (parser, *commands) for o in p._option_string_actions}
+        raise Captured("argparse", sorted(options))
 
     app.run, argparse.ArgumentParser.parse_known_args = absl_run, argparse_parse
     argv = sys.argv
@@ -410,7 +418,8 @@ def main(targets: list[str], specs: list[str], names: list[str]) -> dict:
         result["targets"][target] = entry_point_options(target)
     sys.argv = argv
     result["configs"] = {spec: config_facts(spec) for spec in specs}
-    result["names"] = {name: resolve(name) for name in names}
+    ran = {target for target in targets if not target.endswith(".py")}
+    result["names"] = {name: resolve(name, ran) for name in names}
     return result
 
 
