@@ -19,7 +19,7 @@ Steps, each a subprocess (the first failure stops the script with its exit statu
    memories, a large-chunk Titans among them, 8 sequences of 2048-4096 tokens a step, then
    ``--profile`` of Hope's step (``accelerator_lm_throughput``, ``accelerator_lm_profile``).
 
-Install the accelerator wheels first (README: ``pip install -e '.[cuda,test]'``).
+Install the accelerator wheels first (docs/meshes.md: ``pip install -e '.[cuda,test]'``).
 """
 
 import argparse

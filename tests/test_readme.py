@@ -1,4 +1,4 @@
-"""README.md's Python example runs as written; its commands run as pasted."""
+"""README.md's Python example runs as written, after the two commands it opens with."""
 
 import re
 
@@ -17,12 +17,19 @@ def test_the_readme_example_trains_a_step_and_reads_the_fast_state():
     assert fast is not None
 
 
-def test_every_readme_command_runs_as_pasted_in_a_fresh_shell():
-    """Commands call the repository's virtual environment, never a bare ``python`` that a
-    fresh shell (no venv activated) would not have the packages in."""
+def test_the_readme_opens_with_the_two_commands_and_fits_a_first_page():
+    """One fenced block of two lines first: the default experiment, then the test command that
+    CI runs (``.ci/run``); at most 150 lines, linking every reference page of ``docs/``
+    (their commands: ``tests/test_docs.py``)."""
     text = (tiny_configs.ROOT / "README.md").read_text()
-    blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
-    commands = [line for block in blocks for line in block.splitlines() if line.strip()]
-    assert len(commands) > 20
-    bare = [line for line in commands if re.match(r"\s*python\b(?!3 -m venv)", line)]
-    assert bare == []
+    lines = text.splitlines()
+    assert lines[0] == lines[3] == "```" and lines[4] == ""
+    train, test = lines[1:3]
+    assert train.startswith("python3 -m venv .venv && .venv/bin/pip install -e . && ")
+    assert train.endswith(" experiments/train.py --config configs/mqar.py --workdir runs/mqar")
+    ci = (tiny_configs.ROOT / ".ci" / "run").read_text()
+    assert f'test_command="{test}"' in ci
+    assert len(lines) <= 150
+    docs = sorted((tiny_configs.ROOT / "docs").glob("*.md"))
+    assert len(docs) >= 4
+    assert [doc.name for doc in docs if f"](docs/{doc.name})" not in text] == []

@@ -2,7 +2,7 @@
 
 Each is a shipped config file plus overrides (``dotted.key -> value``), applied in-process by
 :func:`config` or passed to the entry points as ``--config.<key>=<value>`` by :func:`flags`,
-so the tests run the same configs the README commands do, in seconds.
+so the tests run the same configs the commands of README.md and docs/ do, in seconds.
 """
 
 import contextlib
