@@ -9,7 +9,7 @@ from flax import nnx
 
 import nested as nl
 from nested.core import inner
-from nested.nn.layers import MemoryLayer
+from nested.nn.layers import MemoryLayer, per_sequence
 
 DIM, HEADS = 8, 2
 
@@ -103,3 +103,24 @@ def test_mixture_of_storage_routed_to_one_expert_is_that_expert():
 def test_mixture_of_storage_needs_a_write_gate():
     with pytest.raises(ValueError, match="set write_gate to one of \\['beta'\\]"):
         layer(experts=2)
+
+
+def test_per_sequence_broadcast_has_the_gradients_of_broadcast_to():
+    """Its transpose sums rows as a product with ones (nested.ops.functions.broadcast_rows):
+    first and second derivatives equal jnp.broadcast_to's, on a state past XLA's slow-reduce
+    size (more than 32K elements a row)."""
+    theta = {"w": jax.random.normal(jax.random.key(0), (4, 96, 96))}
+    weights = jax.random.normal(jax.random.key(1), (5, 4, 96, 96))
+
+    def loss(broadcast, theta):
+        return jnp.sum(jnp.sin(broadcast(theta)["w"]) * weights)
+
+    ours = lambda t: per_sequence(t, 5)
+    plain = lambda t: jax.tree.map(lambda p: jnp.broadcast_to(p, (5, *p.shape)), t)
+    assert ours(theta)["w"].shape == (5, 4, 96, 96)
+    np.testing.assert_array_equal(ours(theta)["w"], plain(theta)["w"])
+    first = lambda b: jax.grad(lambda t: loss(b, t))
+    second = lambda b: jax.grad(lambda t: jnp.sum(jax.grad(loss, argnums=1)(b, t)["w"] ** 2))
+    for derivative in (first, second):
+        got, want = derivative(ours)(theta)["w"], derivative(plain)(theta)["w"]
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)

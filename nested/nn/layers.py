@@ -21,6 +21,7 @@ from flax import nnx
 
 from nested.core import inner
 from nested.core.level import InitialState, Level, LevelState
+from nested.ops import functions
 
 
 class ShortConv(nnx.Module):
@@ -82,7 +83,7 @@ def initial_memories(memory, key: jax.Array, count: int | None) -> InitialState:
 
 def per_sequence(tree, batch_size: int):
     """``tree`` broadcast to a leading batch dim: every sequence starts from the same state."""
-    return jax.tree.map(lambda p: jnp.broadcast_to(p, (batch_size, *p.shape)), tree)
+    return jax.tree.map(lambda p: functions.broadcast_rows(p, batch_size), tree)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -1,17 +1,44 @@
 """The pure functions memories and rules are made of, beneath every layer of nested.
 
 Activations, the MLP memory network ``f(x) = L_depth(act(... act(L_1 x)))`` (or ``x + LN(f(x))``),
-ATLAS's polynomial feature map and Muon's Newton-Schulz orthogonalisation. The declarations
+ATLAS's polynomial feature map, Muon's Newton-Schulz orthogonalisation, and the broadcast of a
+state to every sequence of a batch. The declarations
 (:mod:`nested.learn.memories`, :mod:`nested.learn.rules`) and the kernels (:mod:`nested.ops`)
 both compute with these, so a kernel and the definition it is proven against share one copy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def broadcast_rows(x: jax.Array, n: int) -> jax.Array:
+    """``x (...) -> (n, ...)``, every row ``x``; its transpose sums the cotangent's rows. On a
+    CPU the sum is a product with a vector of ones: XLA's CPU reduction over a leading axis
+    of more than about 32K kept elements reads with the row stride and runs 20-80x slower
+    (``(16, 65536)``: 9.6 ms against 0.11 ms, float32, jax 0.10)."""
+    return jnp.broadcast_to(x, (n, *x.shape))
+
+
+def _broadcast_rows_fwd(x, n):
+    return broadcast_rows(x, n), None
+
+
+def _broadcast_rows_bwd(n, _, cotangent):
+    rows = cotangent.reshape(n, -1)
+    as_product = lambda: jnp.einsum(
+        "n,nk->k", jnp.ones((n,), rows.dtype), rows, precision=jax.lax.Precision.HIGHEST
+    )
+    total = jax.lax.platform_dependent(cpu=as_product, default=lambda: jnp.sum(rows, axis=0))
+    return (total.reshape(cotangent.shape[1:]),)
+
+
+broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
