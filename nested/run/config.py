@@ -1,14 +1,12 @@
 """Experiment configs: an ``ml_collections.ConfigDict`` -> task, nested system, program.
 
-A config has the sections of :data:`~nested.run.config_schema.SECTIONS`; each names the
-code it configures through a registry, and its other keys are that code's parameters
+A config's sections name the code they configure through registries and hold its parameters
 (:mod:`nested.run.config_schema`: the registries, the keys of each section, the ``*_config``
-helpers that write a section with every key, :func:`load` and :func:`variant`, all importable
-from here). So
-``--config.levels.memory.every=16`` turns the online delta rule into mini-batch TTT.
-:func:`build` validates the whole config before anything is compiled and raises
-:class:`ConfigError` (a ``ValueError``) with a one-line message naming the key and the allowed
-values. Every key a config accepts, with its type and value::
+helpers writing a section with every key, :func:`load` and :func:`variant`, all importable
+from here), so ``--config.levels.memory.every=16`` turns the online delta rule into
+mini-batch TTT. :func:`build` checks the whole config before anything is compiled and raises
+:class:`ConfigError` (a ``ValueError``), one line naming the key and the allowed values. Every
+key a config accepts, with its type and value::
 
     python -m nested.run.config configs/mqar.py[:variant]
     python -m nested.run.config --registered  # of every registered rule, model, task, optimizer
@@ -20,6 +18,7 @@ import copy
 import dataclasses
 import functools
 import math
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -32,25 +31,27 @@ from nested.core.scheduler import Program, compile
 from nested.core.system import NestedSystem
 from nested.learn import objectives
 from nested.levels import recipes
-from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema
-from nested.run.config_schema import MODELS, OPTIMIZERS, TRAIN_DEFAULTS, ConfigError
-from nested.run.sharding import MESH_DEFAULTS, RULE_DEFAULTS, check_mesh
+from nested.run.config_schema import MODELS, OPTIMIZERS, ConfigError
+from nested.run.sharding import check_mesh
 
 # Defined in config_schema and used from here by configs, tests and the entry points:
 load, from_json, variant = schema.load, schema.from_json, schema.variant
-task_config = schema.task_config
-model_config, level_config = schema.model_config, schema.level_config
+task_config, model_config, level_config = (
+    schema.task_config,
+    schema.model_config,
+    schema.level_config,
+)
 optimizer_config, train_config = schema.optimizer_config, schema.train_config
 plasticity_config = schema.plasticity_config
 OUTER = "model"  # name of the outermost level
+SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
 
 
 class Experiment(NamedTuple):
-    """A validated config, built: the task, the nested system, its compiled program, the
-    outer learning-rate schedule ``step -> lr`` (for logging) and the checked ``plasticity``
-    settings (:func:`plasticity_settings`)."""
+    """A checked config, built: the task, the nested system, its compiled program, the outer
+    learning-rate schedule ``step -> lr`` (for logging) and the ``plasticity`` settings."""
 
     config: config_dict.ConfigDict
     task: data.Task
@@ -72,29 +73,42 @@ def _positive(key: str, value: Any, *, zero: bool = False) -> int:
     return value
 
 
-def _make_task(config) -> data.Task:
-    name = config.task.get("name")
-    fields = schema.check_keys("task", config.task, schema.task_fields(name))
-    fields = {k: v for k, v in fields.items() if k != "name" and v is not None}
-    return schema.wrapped("task", data.make_task, name, **fields)
+def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, Any]:
+    """The section ``key`` of the settings dataclass ``cls`` (keys of its own and of ``also``;
+    its defaults where unset), each value checked by its annotation: a ``Literal`` one of its
+    values, a ``bool`` True or False, a ``float`` a number in [0, 1], an ``int`` >= 1 (>= 0
+    where its default is 0: off)."""
+    allowed = [*schema.SETTINGS[key], *also]
+    values = {**dataclasses.asdict(cls()), **schema.check_keys(key, section, allowed)}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, value, hint = f"{key}.{f.name}", values[f.name], hints[f.name]
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            raise ConfigError(f"{name}={value!r} is unknown; allowed: {typing.get_args(hint)}")
+        if hint is bool and not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be True or False")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if hint is float and not (number and 0 <= value <= 1):
+            raise ConfigError(f"{name}={value!r} must be a number in [0, 1]")
+        if hint is int:
+            _positive(name, value, zero=f.default == 0)
+    return values
 
 
 def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[int, int]]):
     """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it."""
     key, rule = f"levels.{name}", section.get("rule")
-    recipe = schema.recipe(f"{key}.rule", rule)
-    fields = cf.level_fields(rule, recipe)
+    fields = cf.level_fields(rule, schema.recipe(f"{key}.rule", rule))
     # an unset (None) option of another rule, left by a --config...rule override, is no error
-    section = {k: v for k, v in section.items() if k in fields or v is not None}
-    values = schema.check_keys(key, section, fields)
+    values = {k: v for k, v in section.items() if k in fields or v is not None}
+    values = schema.check_keys(key, values, fields)
     _check_period(key, values, task)
-    del values["rule"], values["owner"]
     if "d_k" in fields and (values.get("d_k") is None or values.get("d_v") is None):
         d_k, d_v = widths()
         values["d_k"], values["d_v"] = values.get("d_k") or d_k, values.get("d_v") or d_v
     schema.check_required(key, values, fields)
-    values = {k: v for k, v in values.items() if v is not None}
-    level = schema.wrapped(key, recipe, name, **values)
+    values = {k: v for k, v in values.items() if v is not None and k not in ("rule", "owner")}
+    level = schema.wrapped(key, schema.recipe(key, rule), name, **values)
     if not isinstance(level, Level):
         raise ConfigError(
             f"{key}.rule={rule!r} returned a {type(level).__name__}, not a nested.Level; a "
@@ -129,29 +143,16 @@ def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
 
 
 def _check_train(config, carries_fast: bool) -> dict[str, Any]:
-    train = schema.check_keys("train", config.train, {**TRAIN_DEFAULTS, "mesh": MESH_DEFAULTS})
-    mesh = schema.check_keys(
-        "train.mesh", train.pop("mesh", {}), {**MESH_DEFAULTS, "rules": RULE_DEFAULTS}
+    """The ``train`` section checked (:func:`check_settings`), its periods whole jitted calls
+    (an interval of ``train.steps`` or more: at the end only; the loop always logs, evaluates
+    and checkpoints the last step), its ``mesh`` (:func:`nested.run.sharding.check_mesh`)."""
+    train = check_settings("train", schema.Train, config.train, also=["mesh"])
+    mesh_keys = [*schema.SETTINGS["train.mesh"], "rules"]
+    mesh = schema.check_keys("train.mesh", train.get("mesh", {}), mesh_keys)
+    mesh["rules"] = schema.check_keys(
+        "train.mesh.rules", mesh.get("rules", {}), schema.SETTINGS["train.mesh.rules"]
     )
-    mesh["rules"] = schema.check_keys("train.mesh.rules", mesh.get("rules", {}), RULE_DEFAULTS)
-    train = {**TRAIN_DEFAULTS, **train, "mesh": schema.wrapped(None, check_mesh, mesh)}
-    if train["dtype"] not in schema.DTYPES:
-        raise ConfigError(f"train.dtype={train['dtype']!r} is unknown; allowed: {schema.DTYPES}")
-    for name, default in TRAIN_DEFAULTS.items():
-        value = train[name]
-        if isinstance(default, str):
-            continue
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"train.{name}={value!r} must be True or False")
-        if isinstance(default, float) and not (
-            isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1
-        ):
-            raise ConfigError(f"train.{name}={value!r} must be a number in [0, 1]")
-        if isinstance(default, int) and not isinstance(default, bool):
-            _positive(f"train.{name}", value)
-    # An interval of train.steps or more means "at the end only": the loop always logs,
-    # evaluates and checkpoints the last step. (A checkpoint may fall inside a log window:
-    # the unfinished window is saved with it.)
+    train["mesh"] = schema.wrapped(None, check_mesh, mesh)
     k = train["steps_per_call"]
     for name in ("log_every", "eval_every", "checkpoint_every"):
         if train[name] < train["steps"] and train[name] % k:
@@ -166,21 +167,19 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
             f"{train['batch_size']}: a level with persist='stream' evaluates from the carried "
             f"fast state, one per batch row; allowed: {train['batch_size']}"
         )
+    if train["batch_size"] % train["microbatches"]:
+        raise ConfigError(
+            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
+            f"{train['batch_size']}; allowed: {schema.divisors(train['batch_size'])}"
+        )
     return train
 
 
 def plasticity_settings(config) -> dict[str, Any]:
-    """The ``plasticity`` section of ``config`` checked (its defaults where it has none):
-    ``every`` an int >= 0 (0: off) and a multiple of ``train.steps_per_call``, ``form`` one of
-    :data:`nested.plasticity.alignment.FORMS`, ``rows`` an int >= 1."""
-    section = config.get("plasticity") or {}
-    settings = schema.check_keys("plasticity", section, cf.plain(schema.PLASTICITY_DEFAULTS))
-    settings = {**schema.PLASTICITY_DEFAULTS, **settings}
-    every = _positive("plasticity.every", settings["every"], zero=True)
-    _positive("plasticity.rows", settings["rows"])
-    if settings["form"] not in FORMS:
-        raise ConfigError(f"plasticity.form={settings['form']!r} is unknown; allowed: {FORMS}")
-    k = config.train.get("steps_per_call", 1)
+    """The ``plasticity`` section checked (:func:`check_settings`; none: the defaults), its
+    ``every`` a multiple of ``train.steps_per_call``."""
+    settings = check_settings("plasticity", schema.Plasticity, config.get("plasticity") or {})
+    every, k = settings["every"], config.train.get("steps_per_call", 1)
     if every % k:
         raise ConfigError(
             f"plasticity.every={every} is not a multiple of train.steps_per_call={k}; allowed: "
@@ -196,12 +195,13 @@ def _make_optimizer(config, steps: int):
     lr = hyper.pop("learning_rate")
     if not isinstance(lr, int | float) or lr <= 0:
         raise ConfigError(f"optimizer.learning_rate={lr!r} must be a positive number")
-    schedule, warmup, min_ratio, clip = (hyper.pop(k) for k in schema.SCHEDULE_DEFAULTS)
+    schedule, warmup, min_ratio, clip = (
+        hyper.pop(f.name, f.default) for f in dataclasses.fields(schema.Schedule)
+    )
     del hyper["name"]
-    if schedule not in schema.SCHEDULES:
-        raise ConfigError(
-            f"optimizer.schedule={schedule!r} is unknown; allowed: {schema.SCHEDULES}"
-        )
+    allowed = typing.get_args(typing.get_type_hints(schema.Schedule)["schedule"])
+    if schedule not in allowed:
+        raise ConfigError(f"optimizer.schedule={schedule!r} is unknown; allowed: {allowed}")
     if not (isinstance(warmup, int) and 0 <= warmup < steps):
         raise ConfigError(
             f"optimizer.warmup_steps={warmup!r} must be an int in [0, train.steps={steps}); "
@@ -253,9 +253,6 @@ def document_grid(model: Mapping[str, Any], levels: Mapping[str, Level]) -> int:
     return grid
 
 
-SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
-
-
 def as_run(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
     """The config a run uses: ``config`` itself, or, with ``train.smoke=True``, a copy cut to
     a short check that the config trains, evaluates and checkpoints end to end: at most
@@ -267,38 +264,33 @@ def as_run(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
     config = copy.deepcopy(config)
     train = config.train
     steps = min(_positive("train.steps", train.steps), SMOKE_STEPS)
-    train.update(
-        steps=steps,
-        log_every=_positive("train.steps_per_call", train.steps_per_call),
-        eval_every=steps,
-        checkpoint_every=steps,
-        eval_batches=1,
-    )
+    log_every = _positive("train.steps_per_call", train.steps_per_call)
+    train.update(steps=steps, log_every=log_every, eval_every=steps, checkpoint_every=steps)
+    train.eval_batches = 1
     if isinstance(config.optimizer.get("warmup_steps"), int):
         config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 2)
     return config
 
 
 def build(config: config_dict.ConfigDict) -> Experiment:
-    """Validate ``config`` and build its task, system and program (nothing is traced).
-
-    The experiment holds the config as run (:func:`as_run`). Raises :class:`ConfigError`
-    naming the bad key and its allowed values.
-    """
+    """Check ``config`` and build its task, system and program (nothing is traced); the
+    experiment holds the config as run (:func:`as_run`). A :class:`ConfigError` names the bad
+    key and its allowed values."""
     schema.check_sections(config)
     config = as_run(config)
     _positive("seed", config.seed, zero=True)
-    task = _make_task(config)
+    name = config.task.get("name")
+    task = {k: v for k, v in config.task.items() if k != "name" and v is not None}
+    schema.check_keys("task", config.task, schema.task_fields(name))
+    task = schema.wrapped("task", data.make_task, name, **task)
     entry = schema.lookup("model.name", config.model.get("name"), MODELS)
     fields = schema.model_fields(config.model.name)
     model = schema.check_keys("model", config.model, fields)
     schema.check_required("model", model, fields)
     slots, slot_of = schema.slots(config, model, entry)
     levels = {
-        name: _make_level(
-            name, section, task, functools.partial(entry.widths, slot_of[name], model)
-        )
-        for name, section in config.levels.items()
+        name: _make_level(name, s, task, functools.partial(entry.widths, slot_of[name], model))
+        for name, s in config.levels.items()
     }
     if getattr(task, "align", 1) is None and getattr(task, "documents", False):
         task = dataclasses.replace(task, align=document_grid(model, levels))
@@ -316,28 +308,16 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     hyper = _model_hyper(config, model, entry, slots, levels)
     factory = lambda rngs: entry.build(vocab=task.vocab_size, rngs=rngs, **hyper)
     outer = schema.wrapped(
-        "optimizer",
-        Level,
-        OUTER,
-        memory=factory,
-        objective=objectives.next_token,
-        update=tx,
-        every="step",
+        "optimizer", Level, OUTER, factory, objectives.next_token, update=tx, every="step"
     )
     owners = schema.owners(config, OUTER)
     system = schema.wrapped("levels", NestedSystem, [outer, *levels.values()], owners=owners)
-    compute = None if train["dtype"] == "float32" else train["dtype"]
-    if train["batch_size"] % train["microbatches"]:
-        raise ConfigError(
-            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
-            f"{train['batch_size']}; allowed: {schema.divisors(train['batch_size'])}"
-        )
     program = schema.wrapped(
         "model",
         compile,
         system,
         skip_nonfinite=train["skip_nonfinite"],
-        compute_dtype=compute,
+        compute_dtype=None if train["dtype"] == "float32" else train["dtype"],
         microbatches=train["microbatches"],
         document_grid=getattr(task, "document_grid", 1),
     )

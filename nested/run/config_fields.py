@@ -1,20 +1,13 @@
 """The keys a config section accepts, read off the signatures of the code the section names.
 
 A section's keys are *fields*, ``{key: Field(default, type)}``: the default (:data:`REQUIRED`
-where the parameter has none) and the ConfigDict type, one of :data:`CONFIG_TYPES`. They come
-from
-
-* a callable's keyword parameters of a config type, by annotation (:func:`value_type`) or by
-  default value (:func:`configurable`); a parameter annotated ``Level`` is a *level slot*,
-  a ``str`` key naming a level, and one annotated ``Sequence[Level]`` a ``tuple`` of names
-  (:func:`slot_kind`);
-* a level recipe's ``**level_kwargs``, which pass on the :class:`nested.Level` fields of
-  :data:`LEVEL_FIELDS` (:func:`level_fields`);
-* a task dataclass's fields (:func:`task_fields`).
-
-:func:`section` writes fields into a ConfigDict section holding every key, so a locked config
-(``lock_config=True``) accepts an override of any of them and rejects any other;
-:func:`listing` prints them, ``section.key  type  default`` a line.
+where there is none) and the ConfigDict type, one of :data:`CONFIG_TYPES`. They are a
+callable's keyword parameters of a config type (:func:`configurable`; one annotated ``Level``
+is a *level slot*, a ``str`` naming a level, ``Sequence[Level]`` a ``tuple`` of names), the
+:data:`LEVEL_FIELDS` a level recipe's ``**level_kwargs`` pass on (:func:`level_fields`), or a
+dataclass's fields (:func:`dataclass_fields`: a task, the ``train`` settings). :func:`section`
+writes fields into a ConfigDict holding every key, typed, so a locked config accepts an
+override of any of them and rejects any other; :func:`listing` prints them.
 """
 
 from __future__ import annotations
@@ -32,24 +25,17 @@ from nested.core.level import Level
 
 REQUIRED = inspect.Parameter.empty  # the default of a key without one
 CONFIG_TYPES = (int, float, str, bool, tuple)
-# Level fields a recipe passes through **level_kwargs (the recipe fixes the others), with
-# their config types: a fast level's `every` is an int.
+# Level fields a recipe passes on through **level_kwargs (it fixes the others): config types.
 LEVEL_FIELDS = types.MappingProxyType(
-    {
-        "every": int,
-        "persist": str,
-        "read": str,
-        "truncate": int,
-        "first_order": bool,
-        "chunk": int,
-        "accumulate": int,
-    }
+    {"every": int, "persist": str, "read": str, "truncate": int, "first_order": bool}
+    | {"chunk": int, "accumulate": int}
 )
+WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or not
 
 
 class Field(NamedTuple):
-    """A key a section accepts: its default (:data:`REQUIRED` if none) and its config type
-    (None where unknown)."""
+    """A key a section accepts: its default (:data:`REQUIRED` if none), its config type (None
+    where unknown)."""
 
     default: Any
     type: type | None
@@ -75,10 +61,8 @@ def value_type(hint: Any) -> type | None:
 def slot_kind(hint: Any) -> type | None:
     """A level slot's config type: ``str`` for one level (``Level``, ``Level | None``),
     ``tuple`` for several (``Sequence[Level]``); None if ``hint`` is not a slot."""
-    if hint is Level or (
-        typing.get_origin(hint) in (typing.Union, types.UnionType)
-        and set(typing.get_args(hint)) == {Level, type(None)}
-    ):
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if hint is Level or (union and set(typing.get_args(hint)) == {Level, type(None)}):
         return str
     if typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,):
         return tuple
@@ -101,13 +85,12 @@ def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, An
 
 
 def configurable(fn: Callable, skip: Iterable[str] = ()) -> Fields:
-    """The fields of the parameters of ``fn`` a config can set (those of a config type or a
-    level slot), but those in ``skip``."""
+    """The fields of the parameters of ``fn`` a config can set (of a config type, by
+    annotation or default, or a level slot), but those in ``skip``."""
     named, hints, _ = parameters(fn)
     fields = {}
     for name, p in named.items():
-        hint = hints.get(name)
-        kind = slot_kind(hint) or value_type(hint)
+        kind = slot_kind(hints.get(name)) or value_type(hints.get(name))
         if kind is None and p.default is not REQUIRED and p.default is not None:
             kind = type(p.default)
         if name not in skip and kind in CONFIG_TYPES:
@@ -120,7 +103,10 @@ def plain(defaults: Mapping[str, Any]) -> Fields:
     return {key: Field(value, type(value)) for key, value in defaults.items()}
 
 
-WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or not
+def dataclass_fields(cls: type) -> Fields:
+    """The fields of the dataclass ``cls``, typed by their annotations."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Field(f.default, value_type(hints[f.name])) for f in dataclasses.fields(cls)}
 
 
 def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
@@ -129,24 +115,18 @@ def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
     :data:`WIDTHS` ints even unannotated) and, if it takes ``**kwargs``, the
     :data:`LEVEL_FIELDS` it does not take itself."""
     fields = {"rule": Field(rule, str), "owner": Field(None, str)}
-    named = parameters(recipe)[0]
+    named, _, var_kw = parameters(recipe)
     fields.update({k: Field(named[k].default, int) for k in WIDTHS if k in named})
     fields.update(configurable(recipe, skip=("name",)))
-    if parameters(recipe)[2]:
-        for f in dataclasses.fields(Level):
-            if f.name in LEVEL_FIELDS and f.name not in fields:
-                fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
+    for f in dataclasses.fields(Level) if var_kw else ():
+        if f.name in LEVEL_FIELDS and f.name not in fields:
+            fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
     return fields
 
 
 def task_fields(name: str, cls: type) -> Fields:
-    """The ``task`` section of the task dataclass ``cls`` named ``name``: ``name`` and its
-    fields."""
-    hints = typing.get_type_hints(cls)
-    fields = {"name": Field(name, str)}
-    for f in dataclasses.fields(cls):
-        fields[f.name] = Field(f.default, value_type(hints[f.name]))
-    return fields
+    """The ``task`` section of the task dataclass ``cls`` named ``name``."""
+    return {"name": Field(name, str), **dataclass_fields(cls)}
 
 
 def _model_signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
@@ -174,9 +154,8 @@ def model_slots(build: Callable, also: Sequence[Callable] = ()) -> dict[str, boo
     slots = {}
     for fn, skip in _model_signatures(build, also):
         named, hints, _ = parameters(fn)
-        for name in named:
-            kind = slot_kind(hints.get(name))
-            if name not in skip and kind is not None:
+        for name in set(named) - skip:
+            if kind := slot_kind(hints.get(name)):
                 slots.setdefault(name, kind is tuple)
     return slots
 

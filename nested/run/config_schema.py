@@ -1,29 +1,19 @@
 """What an experiment config holds: its sections, the registries they name, the keys of each.
 
-A config names everything it uses and registries map the names to code, so a new rule, model
-or task is available to every config without editing one:
-
-* ``task.name`` -> :data:`nested.data.TASKS`; the other ``task`` keys are the task's fields;
-* ``model.name`` -> :data:`MODELS`; the other ``model`` keys are the model's hyperparameters
-  and its *level slots*, which hold names of ``levels`` entries (``MemoryLM``: ``level``, the
-  mixer's level; ``projections``, that of the self-modifying mixer; ``cms``, a tuple);
-* ``levels.<name>.rule`` -> :func:`nested.recipes.named` (the memory rules, ``cms`` blocks,
-  Hope's ``projections``), or a recipe's import path ``module:function`` (:func:`recipe`),
-  looked up when the config is built; the other keys are the
-  recipe's hyperparameters, the :class:`nested.Level` fields it passes on (``every``,
-  ``persist``, ``chunk``, ...) and ``owner`` (the slower level producing its context: the
-  model, the default, or another level, as Hope's memory is owned by its ``projections``);
-* ``optimizer.name`` -> :data:`OPTIMIZERS`, the outermost level's update rule, with its
-  learning-rate schedule (:data:`SCHEDULE_DEFAULTS`);
-* ``train``: the loop's settings (:data:`TRAIN_DEFAULTS`) and ``train.mesh``, how the run is
-  spread over the devices (:data:`nested.run.sharding.MESH_DEFAULTS`).
-
-The keys of a section are read off the signatures of the code it names
-(:mod:`nested.run.config_fields`). The ``*_config`` helpers write a section with every key,
-so any key can be overridden from the command line under ``lock_config=True``, which rejects
-unknown keys; :func:`main` prints them (``python -m nested.run.config``). The checks here are
-of names (sections, keys, registry names, the levels that model slots and owners name);
-:func:`nested.run.config.build` checks the values.
+A config names what it uses and registries map the names to code, so a new rule, model or
+task is available to every config without editing one: ``task.name`` ->
+:data:`nested.data.TASKS`, ``model.name`` -> :data:`MODELS`, ``levels.<name>.rule`` ->
+:func:`nested.recipes.named` or a recipe's import path ``module:function`` (:func:`recipe`),
+``optimizer.name`` -> :data:`OPTIMIZERS`. The other keys of a section are the parameters of
+the code it names (:mod:`nested.run.config_fields`): a task's fields, a model's
+hyperparameters and *level slots* (names of ``levels`` entries: ``MemoryLM``'s ``level``,
+``projections``, ``cms``), a recipe's hyperparameters with the :class:`nested.Level` fields it
+passes on and ``owner`` (the slower level producing its context: the model by default), the
+optax function's with the :class:`Schedule`. ``train`` (:class:`Train`, its ``mesh``:
+:data:`nested.run.sharding.MESH_DEFAULTS`) and ``plasticity`` (:class:`Plasticity`) are typed
+settings. The ``*_config`` helpers write a section with every key, so a locked config takes
+an override of any of them and rejects a typo; :func:`main` lists them. The checks here are
+of names; :func:`nested.run.config.build` checks the values.
 """
 
 from __future__ import annotations
@@ -33,10 +23,9 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
-import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optax
 from ml_collections import config_dict
@@ -47,6 +36,7 @@ from nested.nn.frequencies import MultiFrequencyMemory
 from nested.nn.hybrid import MemoryAsContext
 from nested.nn.layers import MemoryLayer
 from nested.nn.models import MemoryLM
+from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run.sharding import MESH_DEFAULTS, RULE_DEFAULTS
 
@@ -57,44 +47,6 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "adam": optax.adam,
     "sgd": optax.sgd,
 }
-SCHEDULES = ("constant", "cosine")
-SCHEDULE_DEFAULTS = types.MappingProxyType(
-    {"schedule": "cosine", "warmup_steps": 100, "min_lr_ratio": 0.1, "grad_clip": 1.0}
-)
-DTYPES = ("float32", "bfloat16")  # train.dtype
-TRAIN_DEFAULTS = types.MappingProxyType(
-    {
-        "steps": 1000,  # outer steps (one batch each)
-        "batch_size": 32,
-        "steps_per_call": 1,  # outer steps per jitted call (a lax.scan over batches)
-        "log_every": 50,
-        "eval_every": 200,
-        "eval_batches": 4,  # held-out batches per eval split
-        "eval_batch_size": 32,
-        "checkpoint_every": 200,
-        "keep_checkpoints": 3,
-        "skip_nonfinite": False,  # a non-finite step keeps the previous state (else: stop)
-        # More skipped steps than this fraction of train.steps stop the run (not trained).
-        "max_skipped_fraction": 0.1,
-        "smoke": False,  # a short check run of the config (nested.run.config.as_run)
-        # The model's compute precision; parameters and fast states stay float32
-        # (nested.compile's compute_dtype). One of DTYPES.
-        "dtype": "float32",
-        # Gradient accumulation: each batch runs as this many microbatches (rows split
-        # evenly) inside one jitted step, their gradients averaged (nested.compile).
-        "microbatches": 1,
-    }
-)
-
-
-# Functional-plasticity figures logged during training (nested.plasticity.alignment).
-PLASTICITY_DEFAULTS = types.MappingProxyType(
-    {
-        "every": 0,  # log the alignment of the fast levels' updates every N steps; 0: never
-        "form": "through_scan",  # or "one_step" (nested.plasticity.alignment.FORMS)
-        "rows": 8,  # the batch rows it is measured on (the first ones): its cost grows with them
-    }
-)
 
 
 class ConfigError(ValueError):
@@ -102,15 +54,61 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelEntry:
-    """A model a config can name.
+class Schedule:
+    """The outer learning rate's schedule: keys of ``optimizer`` (``grad_clip=0``: none)."""
 
-    ``build(**slots, vocab=..., rngs=..., **hyperparameters)`` makes the ``nnx.Module``; its
-    arguments annotated ``Level`` or ``Sequence[Level]`` are *slots* filled with levels.
-    ``also``: callables that receive ``build``'s ``**kwargs``; their keyword parameters are
-    model keys too. ``widths(slot, hyperparameters)`` gives the ``(d_k, d_v)`` of a level in
-    ``slot`` whose config leaves them unset, or raises :class:`ConfigError`.
-    """
+    schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    """The ``train`` section, the loop's settings; each is checked by its annotation: an int
+    is >= 1, a float a fraction in [0, 1] (:func:`nested.run.config.check_settings`)."""
+
+    steps: int = 1000  # outer steps (one batch each)
+    batch_size: int = 32
+    steps_per_call: int = 1  # outer steps per jitted call (a lax.scan over batches)
+    log_every: int = 50
+    eval_every: int = 200
+    eval_batches: int = 4  # held-out batches per eval split
+    eval_batch_size: int = 32
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    skip_nonfinite: bool = False  # a non-finite step keeps the previous state (else: stop)
+    max_skipped_fraction: float = 0.1  # more skipped steps (of train.steps) stop the run
+    smoke: bool = False  # a short check run of the config (nested.run.config.as_run)
+    # The model's compute precision; parameters and fast states stay float32 (nested.compile).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    microbatches: int = 1  # each batch runs as microbatches, gradients averaged (accumulation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plasticity:
+    """The ``plasticity`` section: the alignment of the fast levels' updates logged in
+    training (:mod:`nested.plasticity.alignment`), on the batch's first ``rows`` rows."""
+
+    every: int = 0  # steps between measurements; 0: never
+    form: Literal[FORMS] = "through_scan"
+    rows: int = 8
+
+
+SETTINGS = {  # the sections of settings, each with its fields
+    "train": cf.dataclass_fields(Train),
+    "train.mesh": cf.plain(MESH_DEFAULTS),
+    "train.mesh.rules": cf.plain(RULE_DEFAULTS),
+    "plasticity": cf.dataclass_fields(Plasticity),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """A model a config can name: ``build(**slots, vocab=..., rngs=..., **hyperparameters)``
+    makes the ``nnx.Module``; ``also``: callables receiving its ``**kwargs`` (their keyword
+    parameters are model keys too); ``widths(slot, hyperparameters)``: the ``(d_k, d_v)`` of a
+    level in ``slot`` that leaves them unset, or a :class:`ConfigError`."""
 
     build: Callable[..., Any]
     widths: Callable[[str, Mapping[str, Any]], tuple[int, int]]
@@ -160,28 +158,11 @@ def wrapped(key: str | None, fn: Callable, *args, **kwargs):
         raise ConfigError(f"{key}: {error}" if key else str(error)) from error
 
 
-# -- the keys of each section ---------------------------------------------------------------
-
-
-def task_fields(name: str) -> cf.Fields:
-    return cf.task_fields(name, lookup("task.name", name, data.TASKS))
-
-
-def model_fields(name: str) -> cf.Fields:
-    """A model's keys; those a rule sets in its layer (:data:`nested.recipes.LAYER_OPTIONS`:
-    Falcon's key shift) default to None, meaning "as the slot's rule needs"."""
-    entry = lookup("model.name", name, MODELS)
-    unset = {key for options in recipes.LAYER_OPTIONS.values() for key in options}
-    return cf.model_fields(name, entry.build, entry.also, unset=unset)
-
-
 def recipe(key: str, rule: Any) -> Callable[..., Any]:
-    """The level recipe ``rule`` names: a registered one (:func:`nested.recipes.named`) or
-    the function at the import path ``"module:function"``, a recipe of the registered ones'
-    signature, ``(name, *, d_k, d_v, **level_kwargs) -> nested.Level``. The module must be
-    importable (installed, on ``PYTHONPATH``, or, for the entry points, in the current
-    folder). Raises :class:`ConfigError` naming ``key`` for an unknown name, a module that
-    does not import or an attribute that is not a function."""
+    """The level recipe ``rule`` names: a registered one or the function at the import path
+    ``"module:function"`` (installed, on ``PYTHONPATH`` or, for the entry points, in the
+    current folder), of the registered ones' signature ``(name, *, d_k, d_v, **level_kwargs)
+    -> nested.Level``; else a :class:`ConfigError` naming ``key`` and what is wrong."""
     named = recipes.named()
     if rule in named:
         return named[rule]
@@ -211,6 +192,21 @@ def recipe(key: str, rule: Any) -> Callable[..., Any]:
     return fn
 
 
+# -- the keys of each section -----------------------------------------------------------------
+
+
+def task_fields(name: str) -> cf.Fields:
+    return cf.task_fields(name, lookup("task.name", name, data.TASKS))
+
+
+def model_fields(name: str) -> cf.Fields:
+    """A model's keys; those a rule sets in its layer (:data:`nested.recipes.LAYER_OPTIONS`:
+    Falcon's key shift) default to None, "as the slot's rule needs"."""
+    entry = lookup("model.name", name, MODELS)
+    unset = {key for options in recipes.LAYER_OPTIONS.values() for key in options}
+    return cf.model_fields(name, entry.build, entry.also, unset=unset)
+
+
 def level_fields(rule: str, key: str = "levels.*.rule") -> cf.Fields:
     return cf.level_fields(rule, recipe(key, rule))
 
@@ -218,15 +214,11 @@ def level_fields(rule: str, key: str = "levels.*.rule") -> cf.Fields:
 def optimizer_fields(name: str) -> cf.Fields:
     fn = lookup("optimizer.name", name, OPTIMIZERS)
     fields = {"name": cf.Field(name, str), "learning_rate": cf.Field(None, float)}
-    return {**fields, **cf.plain(SCHEDULE_DEFAULTS), **cf.configurable(fn, ("learning_rate",))}
-
-
-# -- checking names ----------------------------------------------------------------------------
+    return fields | cf.dataclass_fields(Schedule) | cf.configurable(fn, ("learning_rate",))
 
 
 def check_keys(key: str, section: Any, allowed: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of the section ``key``; raises :class:`ConfigError` for a key not in
-    ``allowed``."""
+    """The values of the section ``key``; a :class:`ConfigError` for a key not ``allowed``."""
     if not isinstance(section, Mapping | config_dict.ConfigDict):
         raise ConfigError(f"{key} must be a ConfigDict section, got {section!r}")
     values = dict(section.items())
@@ -258,8 +250,8 @@ def slots(config, model: Mapping[str, Any], entry: ModelEntry) -> tuple[dict, di
     :class:`ConfigError` for a slot naming an undeclared level, a level in no slot, and a
     ``model.level`` that does not go with ``model.mixer`` (``"attention"``, MemoryLM's
     Transformer++, takes none and may declare no levels; every other mixer needs one)."""
-    attention = model.get("mixer") == "attention"
-    if not attention and ("levels" not in config or not dict(config.levels.items())):
+    attention, declared = model.get("mixer") == "attention", list(config.get("levels", {}))
+    if not attention and not declared:
         raise ConfigError(
             "levels: declare at least one fast level (levels.<name>.rule=...), or set "
             "model.mixer='attention' for a model without one"
@@ -272,25 +264,22 @@ def slots(config, model: Mapping[str, Any], entry: ModelEntry) -> tuple[dict, di
     if not attention and model.get("level") is None:
         raise ConfigError(
             f"model.level is required with model.mixer={model.get('mixer')!r}; set it to a "
-            f"declared level, one of {sorted(config.levels.keys())}"
+            f"declared level, one of {sorted(declared)}"
         )
     many_of = cf.model_slots(entry.build, entry.also)
-    names_in = {slot: model.get(slot) for slot in many_of}
-    slot_of = {}
+    names_in, slot_of = {slot: model.get(slot) for slot in many_of}, {}
     for slot, names in names_in.items():
         for name in (names or ()) if many_of[slot] else [names] if names is not None else []:
-            if name not in config.levels:
+            if name not in declared:
                 raise ConfigError(
-                    f"model.{slot}={name!r} is not a declared level; allowed: "
-                    f"{sorted(config.levels.keys())}"
+                    f"model.{slot}={name!r} is not a declared level; allowed: {sorted(declared)}"
                 )
             slot_of[name] = slot
-    for name in config.levels:
-        if name not in slot_of:
-            raise ConfigError(
-                f"levels.{name} is declared but no model slot uses it; set one of "
-                f"{[f'model.{s}' for s in names_in]} to {name!r}"
-            )
+    for name in (name for name in declared if name not in slot_of):
+        raise ConfigError(
+            f"levels.{name} is declared but no model slot uses it; set one of "
+            f"{[f'model.{s}' for s in names_in]} to {name!r}"
+        )
     return names_in, slot_of
 
 
@@ -306,63 +295,64 @@ def owners(config, outer: str) -> dict[str, str]:
     return out
 
 
-# -- writing configs --------------------------------------------------------------------------
+# -- writing and reading configs --------------------------------------------------------------
 
 
 def variant(arg: str | None, *, default: str = "delta", others: Sequence[str] = ()) -> str:
     """The variant a config file was given (``configs/x.py:<variant>``): ``arg``, or
     ``default``; a memory rule of :data:`nested.recipes.RULES` or one of ``others``."""
-    name = arg or default
-    allowed = sorted({*recipes.RULES, *others})
+    name, allowed = arg or default, sorted({*recipes.RULES, *others})
     if name not in allowed:
         raise ConfigError(f"variant {name!r} is unknown; allowed variants: {allowed}")
     return name
 
 
+def _section(fields: cf.Fields, values: Mapping[str, Any]) -> config_dict.ConfigDict:
+    return wrapped(None, cf.section, fields, values)
+
+
 def task_config(name: str, **fields) -> config_dict.ConfigDict:
     """The ``task`` section: ``name`` and every field of the task, ``fields`` overriding."""
-    return wrapped(None, cf.section, task_fields(name), {"name": name, **fields})
+    return _section(task_fields(name), {"name": name, **fields})
 
 
 def model_config(name: str, **hyper) -> config_dict.ConfigDict:
     """The ``model`` section: ``name``, the model's hyperparameters and level slots."""
-    return wrapped(None, cf.section, model_fields(name), {"name": name, **hyper})
+    return _section(model_fields(name), {"name": name, **hyper})
 
 
 def level_config(rule: str, **fields) -> config_dict.ConfigDict:
     """One ``levels`` entry: ``rule``, ``owner``, the recipe's hyperparameters and the level
-    fields it passes on (``persist``, ``read``, ``truncate``, ``first_order``, ``chunk``)."""
-    return wrapped(None, cf.section, level_fields(rule), {"rule": rule, **fields})
+    fields it passes on (``every``, ``persist``, ``read``, ``truncate``, ``chunk``, ...)."""
+    return _section(level_fields(rule), {"rule": rule, **fields})
 
 
 def optimizer_config(name: str = "adamw", **hyper) -> config_dict.ConfigDict:
-    """The ``optimizer`` section: ``name``, ``learning_rate``, the schedule (``schedule``,
-    ``warmup_steps``, ``min_lr_ratio``, ``grad_clip``: 0 disables clipping) and every simple
-    hyperparameter of the optax function."""
-    return wrapped(None, cf.section, optimizer_fields(name), {"name": name, **hyper})
+    """The ``optimizer`` section: ``name``, ``learning_rate``, the :class:`Schedule` and every
+    simple hyperparameter of the optax function."""
+    return _section(optimizer_fields(name), {"name": name, **hyper})
 
 
 def train_config(*, mesh: Mapping[str, Any] | None = None, **fields) -> config_dict.ConfigDict:
-    """The ``train`` section, :data:`TRAIN_DEFAULTS` overridden by ``fields``, and its
-    ``mesh`` subsection, :data:`~nested.run.sharding.MESH_DEFAULTS` overridden by ``mesh``,
-    and its ``rules`` (:data:`~nested.run.partitioning.RULE_DEFAULTS` overridden by
-    ``mesh["rules"]``)."""
-    section = wrapped(None, cf.section, cf.plain(TRAIN_DEFAULTS), fields)
+    """The ``train`` section: :class:`Train` overridden by ``fields``, its ``mesh`` (of
+    :data:`~nested.run.sharding.MESH_DEFAULTS`) by ``mesh``, and the mesh's ``rules``
+    (:data:`~nested.run.partitioning.RULE_DEFAULTS`) by ``mesh["rules"]``."""
     mesh = dict(mesh or {})
-    rules = mesh.pop("rules", {})
-    section.mesh = wrapped(None, cf.section, cf.plain(MESH_DEFAULTS), mesh)
-    section.mesh.rules = wrapped(None, cf.section, cf.plain(RULE_DEFAULTS), rules)
+    rules = _section(SETTINGS["train.mesh.rules"], mesh.pop("rules", {}))
+    section = _section(SETTINGS["train"], fields)
+    section.mesh = _section(SETTINGS["train.mesh"], mesh)
+    section.mesh.rules = rules
     return section
 
 
 def plasticity_config(**fields) -> config_dict.ConfigDict:
-    """The ``plasticity`` section, :data:`PLASTICITY_DEFAULTS` overridden by ``fields``."""
-    return wrapped(None, cf.section, cf.plain(PLASTICITY_DEFAULTS), fields)
+    """The ``plasticity`` section: :class:`Plasticity` overridden by ``fields``."""
+    return _section(SETTINGS["plasticity"], fields)
 
 
 def load(spec: str) -> config_dict.ConfigDict:
-    """``get_config(variant)`` of the file in ``spec = "path.py[:variant]"`` (as
-    ``--config path.py:variant`` does), for notebooks and tests."""
+    """``get_config(variant)`` of the file in ``spec = "path.py[:variant]"``, unlocked (the
+    entry points' ``--config path.py:variant``, from Python: notebooks and tests)."""
     path, _, variant = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if module_spec is None or not Path(path).is_file():
@@ -380,18 +370,21 @@ def _tuples(value: Any) -> Any:
 
 def from_json(data: Mapping[str, Any]) -> config_dict.ConfigDict:
     """A config read back from its JSON (a run's ``config.json``) as its file made it: lists
-    as tuples and each None as a placeholder of its key's type, so an override
-    ``--config.<key>=...`` parses as it does on the file's config. Raises
-    :class:`ConfigError` for a name no registry knows (a rule's module no longer
-    importable)."""
+    as tuples, each None a placeholder of its key's type (so an override ``--config.<key>=``
+    parses as on the file's config). A :class:`ConfigError` for a name no registry knows (a
+    rule's module no longer importable)."""
     config = config_dict.ConfigDict(_tuples(data))
     for prefix, fields in accepted(config).items():
-        node = config
-        for part in prefix.split("."):
-            node = node.get(part) if isinstance(node, config_dict.ConfigDict) else None
-        for key, value in (node or {}).items():
+        node = _node(config, prefix)
+        for key, value in node.items():
             if value is None and key in fields and fields[key].type is not None:
                 node[key] = config_dict.placeholder(fields[key].type)
+    return config
+
+
+def _node(config: config_dict.ConfigDict, prefix: str) -> Any:
+    for part in prefix.split("."):
+        config = config.get(part, {}) if isinstance(config, config_dict.ConfigDict) else {}
     return config
 
 
@@ -399,8 +392,8 @@ def from_json(data: Mapping[str, Any]) -> config_dict.ConfigDict:
 
 
 def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
-    """The keys each section of ``config`` accepts (a ``levels.<name>`` section per level),
-    with their values in ``config`` as defaults."""
+    """The keys each section of ``config`` accepts (a ``levels.<name>`` per level), their
+    values in ``config`` as defaults."""
     sections = {
         "task": task_fields(config.task.name),
         "model": model_fields(config.model.name),
@@ -409,32 +402,25 @@ def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
             for name, s in config.levels.items()
         },
         "optimizer": optimizer_fields(config.optimizer.name),
-        "train": cf.plain(TRAIN_DEFAULTS),
-        "train.mesh": cf.plain(MESH_DEFAULTS),
-        "train.mesh.rules": cf.plain(RULE_DEFAULTS),
-        "plasticity": cf.plain(PLASTICITY_DEFAULTS),
+        **SETTINGS,
     }
-    out = {}
-    for prefix, fields in sections.items():
-        node = config
-        for part in prefix.split("."):
-            node = node.get(part, {})
-        out[prefix] = {k: f._replace(default=node.get(k, f.default)) for k, f in fields.items()}
-    return out
+    return {
+        prefix: {
+            k: f._replace(default=_node(config, prefix).get(k, f.default)) for k, f in fs.items()
+        }
+        for prefix, fs in sections.items()
+    }
 
 
 def registered() -> dict[str, cf.Fields]:
-    """The keys of every registered level recipe, model, task and optimizer, and of ``train``
-    (``tests/config_keys.txt`` is their :func:`~nested.run.config_fields.listing`)."""
+    """The keys of every registered level recipe, model, task and optimizer, and of the
+    settings (``tests/config_keys.txt`` is their :func:`~nested.run.config_fields.listing`)."""
     return {
         **{f"levels[rule={rule}]": level_fields(rule) for rule in sorted(recipes.named())},
         **{f"model[name={name}]": model_fields(name) for name in sorted(MODELS)},
         **{f"task[name={name}]": task_fields(name) for name in sorted(data.TASKS)},
         **{f"optimizer[name={name}]": optimizer_fields(name) for name in sorted(OPTIMIZERS)},
-        "train": cf.plain(TRAIN_DEFAULTS),
-        "train.mesh": cf.plain(MESH_DEFAULTS),
-        "train.mesh.rules": cf.plain(RULE_DEFAULTS),
-        "plasticity": cf.plain(PLASTICITY_DEFAULTS),
+        **SETTINGS,
     }
 
 
@@ -444,9 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rule and level recipe, model, task and optimizer, ``section[rule=...].key  type  default``."""
     parser = argparse.ArgumentParser(prog="python -m nested.run.config", description=main.__doc__)
     parser.add_argument("config", nargs="?", help="a config file, path.py[:variant]")
-    parser.add_argument(
-        "--registered", action="store_true", help="the keys of every registered name instead"
-    )
+    parser.add_argument("--registered", action="store_true", help="every registered name's keys")
     args = parser.parse_args(argv)
     if (args.config is None) != args.registered:
         parser.error("give a config file or --registered")
