@@ -98,7 +98,8 @@ def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, A
 def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[int, int]]):
     """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it."""
     key, rule = f"levels.{name}", section.get("rule")
-    fields = cf.level_fields(rule, schema.recipe(f"{key}.rule", rule))
+    recipe = schema.recipe(f"{key}.rule", rule)
+    fields = cf.level_fields(rule, recipe)
     # an unset (None) option of another rule, left by a --config...rule override, is no error
     values = {k: v for k, v in section.items() if k in fields or v is not None}
     values = schema.check_keys(key, values, fields)
@@ -108,7 +109,7 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
         values["d_k"], values["d_v"] = values.get("d_k") or d_k, values.get("d_v") or d_v
     schema.check_required(key, values, fields)
     values = {k: v for k, v in values.items() if v is not None and k not in ("rule", "owner")}
-    level = schema.wrapped(key, schema.recipe(key, rule), name, **values)
+    level = schema.wrapped(key, recipe, name, **values)
     if not isinstance(level, Level):
         raise ConfigError(
             f"{key}.rule={rule!r} returned a {type(level).__name__}, not a nested.Level; a "

@@ -1,13 +1,12 @@
 """The keys a config section accepts, read off the signatures of the code the section names.
 
-A section's keys are *fields*, ``{key: Field(default, type)}``: the default (:data:`REQUIRED`
-where there is none) and the ConfigDict type, one of :data:`CONFIG_TYPES`. They are a
-callable's keyword parameters of a config type (:func:`configurable`; one annotated ``Level``
-is a *level slot*, a ``str`` naming a level, ``Sequence[Level]`` a ``tuple`` of names), the
-:data:`LEVEL_FIELDS` a level recipe's ``**level_kwargs`` pass on (:func:`level_fields`), or a
-dataclass's fields (:func:`dataclass_fields`: a task, the ``train`` settings). :func:`section`
-writes fields into a ConfigDict holding every key, typed, so a locked config accepts an
-override of any of them and rejects any other; :func:`listing` prints them.
+A section's *fields* are ``{key: Field(default, type)}``, the type a ConfigDict type of
+:data:`CONFIG_TYPES`: a callable's keyword parameters of such a type (:func:`configurable`;
+one annotated ``Level`` is a *level slot*, a ``str`` naming a level, ``Sequence[Level]`` a
+``tuple`` of names), the :data:`LEVEL_FIELDS` a recipe's ``**level_kwargs`` pass on, or a
+dataclass's fields (a task, the ``train`` settings). :func:`section` writes them into a
+ConfigDict of every key, typed, so a locked config takes an override of any key and rejects
+any other; :func:`listing` prints them.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or no
 
 
 class Field(NamedTuple):
-    """A key a section accepts: its default (:data:`REQUIRED` if none), its config type (None
-    where unknown)."""
+    """A key: its default (:data:`REQUIRED` if none), its config type (None: unknown)."""
 
     default: Any
     type: type | None
@@ -59,25 +57,24 @@ def value_type(hint: Any) -> type | None:
 
 
 def slot_kind(hint: Any) -> type | None:
-    """A level slot's config type: ``str`` for one level (``Level``, ``Level | None``),
-    ``tuple`` for several (``Sequence[Level]``); None if ``hint`` is not a slot."""
+    """A level slot's config type: ``str`` for ``Level`` or ``Level | None``, ``tuple`` for
+    ``Sequence[Level]``; None if ``hint`` is not a slot."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     if hint is Level or (union and set(typing.get_args(hint)) == {Level, type(None)}):
         return str
-    if typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,):
-        return tuple
-    return None
+    several = typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,)
+    return tuple if several else None
 
 
 def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
-    """The named parameters of ``fn`` (a class: its ``__init__``), their type hints, and
-    whether it takes ``**kwargs``."""
+    """The named parameters of ``fn`` (a class: its ``__init__``), their type hints (none if
+    unresolvable), and whether it takes ``**kwargs``."""
     target = fn.__init__ if inspect.isclass(fn) else fn
     params = dict(inspect.signature(target).parameters)
     params.pop("self", None)
     try:
         hints = typing.get_type_hints(target)
-    except NameError:  # unresolvable annotations: fall back to the defaults' types
+    except NameError:
         hints = {}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     named = {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
@@ -85,8 +82,8 @@ def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, An
 
 
 def configurable(fn: Callable, skip: Iterable[str] = ()) -> Fields:
-    """The fields of the parameters of ``fn`` a config can set (of a config type, by
-    annotation or default, or a level slot), but those in ``skip``."""
+    """The parameters of ``fn`` but ``skip`` a config can set: of a config type (annotated,
+    or unannotated with a default of one), or a level slot."""
     named, hints, _ = parameters(fn)
     fields = {}
     for name, p in named.items():
@@ -110,14 +107,13 @@ def dataclass_fields(cls: type) -> Fields:
 
 
 def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
-    """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the slower level producing its
-    context; None: the model), the keyword parameters of ``recipe`` but ``name`` (its
-    :data:`WIDTHS` ints even unannotated) and, if it takes ``**kwargs``, the
-    :data:`LEVEL_FIELDS` it does not take itself."""
+    """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the level producing its context;
+    None: the model), the keyword parameters of ``recipe`` but ``name`` (its :data:`WIDTHS`
+    ints even unannotated), and the :data:`LEVEL_FIELDS` its ``**kwargs`` (if any) pass on."""
     fields = {"rule": Field(rule, str), "owner": Field(None, str)}
     named, _, var_kw = parameters(recipe)
-    fields.update({k: Field(named[k].default, int) for k in WIDTHS if k in named})
-    fields.update(configurable(recipe, skip=("name",)))
+    fields |= {k: Field(named[k].default, int) for k in WIDTHS if k in named}
+    fields |= configurable(recipe, skip=("name",))
     for f in dataclasses.fields(Level) if var_kw else ():
         if f.name in LEVEL_FIELDS and f.name not in fields:
             fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
@@ -129,42 +125,38 @@ def task_fields(name: str, cls: type) -> Fields:
     return {"name": Field(name, str), **dataclass_fields(cls)}
 
 
-def _model_signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
-    """``(callable, names to skip)`` pairs whose keyword parameters are model keys."""
+def _signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
+    """``(callable, names to skip)`` pairs whose keyword parameters are a model's keys."""
     own = set(parameters(build)[0])
     return [(build, {"vocab", "rngs"})] + [(fn, own | {"rngs"}) for fn in also]
 
 
-def model_fields(
-    name: str, build: Callable, also: Sequence[Callable] = (), *, unset: Iterable[str] = ()
-) -> Fields:
+def model_fields(name: str, build: Callable, also=(), *, unset: Iterable[str] = ()) -> Fields:
     """The ``model`` section of the model ``build`` named ``name``: ``name``, the parameters
-    of ``build`` but ``vocab`` and ``rngs``, then those of the ``also`` callables (which receive
-    its ``**kwargs``) it lacks; the keys of ``unset`` default to None."""
+    of ``build`` but ``vocab`` and ``rngs``, then those it lacks of the ``also`` callables
+    (which receive its ``**kwargs``); the keys of ``unset`` default to None."""
     fields = {"name": Field(name, str)}
-    for fn, skip in _model_signatures(build, also):
+    for fn, skip in _signatures(build, also):
         for key, field in configurable(fn, skip).items():
             fields.setdefault(key, field._replace(default=None) if key in unset else field)
     return fields
 
 
 def model_slots(build: Callable, also: Sequence[Callable] = ()) -> dict[str, bool]:
-    """The level slots of a model's section (as :func:`model_fields`): ``{key: takes
-    several levels}``."""
+    """The level slots of a model's section: ``{key: whether it takes several levels}``."""
     slots = {}
-    for fn, skip in _model_signatures(build, also):
+    for fn, skip in _signatures(build, also):
         named, hints, _ = parameters(fn)
-        for name in set(named) - skip:
-            if kind := slot_kind(hints.get(name)):
+        for name in named:
+            if name not in skip and (kind := slot_kind(hints.get(name))):
                 slots.setdefault(name, kind is tuple)
     return slots
 
 
 def section(fields: Mapping[str, Field], values: Mapping[str, Any]) -> config_dict.ConfigDict:
-    """A ConfigDict section of every key of ``fields``: its value in ``values``, else its
-    default (lists as tuples), else (no default, or None) a placeholder of its type, which a
-    locked config lets an override of that type set. Raises ``ValueError`` for a key of
-    ``values`` that ``fields`` lacks."""
+    """A ConfigDict of every key of ``fields``: its value in ``values``, else its default
+    (lists as tuples), else (None or no default) a placeholder of its type, which a locked
+    config lets an override of that type set. A ``ValueError`` for a key ``fields`` lacks."""
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(fields)}")
@@ -180,12 +172,13 @@ def section(fields: Mapping[str, Field], values: Mapping[str, Any]) -> config_di
 
 
 def listing(sections: Mapping[str, Mapping[str, Field]]) -> str:
-    """``section.key  type  default`` lines of ``{section: fields}``, keys sorted in each
-    section (``required``: no default)."""
+    """``section.key  type  default`` lines (``required``: no default) of ``{section:
+    fields}``, sorted in each section."""
     lines = []
     for prefix, fields in sections.items():
         for key, (default, kind) in sorted(fields.items()):
-            name, type_name = f"{prefix}.{key}", kind.__name__ if kind else "any"
             value = "required" if default is REQUIRED else repr(default)
-            lines.append(f"{name:<40}  {type_name:<5}  {value}")
+            lines.append(
+                f"{prefix + '.' + key:<40}  {kind.__name__ if kind else 'any':<5}  {value}"
+            )
     return "\n".join(lines) + "\n"

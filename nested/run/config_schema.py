@@ -1,19 +1,17 @@
-"""What an experiment config holds: its sections, the registries they name, the keys of each.
+"""What an experiment config holds: its sections, the registries they name, their keys.
 
-A config names what it uses and registries map the names to code, so a new rule, model or
-task is available to every config without editing one: ``task.name`` ->
-:data:`nested.data.TASKS`, ``model.name`` -> :data:`MODELS`, ``levels.<name>.rule`` ->
-:func:`nested.recipes.named` or a recipe's import path ``module:function`` (:func:`recipe`),
-``optimizer.name`` -> :data:`OPTIMIZERS`. The other keys of a section are the parameters of
-the code it names (:mod:`nested.run.config_fields`): a task's fields, a model's
-hyperparameters and *level slots* (names of ``levels`` entries: ``MemoryLM``'s ``level``,
-``projections``, ``cms``), a recipe's hyperparameters with the :class:`nested.Level` fields it
-passes on and ``owner`` (the slower level producing its context: the model by default), the
-optax function's with the :class:`Schedule`. ``train`` (:class:`Train`, its ``mesh``:
-:data:`nested.run.sharding.MESH_DEFAULTS`) and ``plasticity`` (:class:`Plasticity`) are typed
-settings. The ``*_config`` helpers write a section with every key, so a locked config takes
-an override of any of them and rejects a typo; :func:`main` lists them. The checks here are
-of names; :func:`nested.run.config.build` checks the values.
+Registries map the names a config gives to code, so a new rule, model or task serves every
+config: ``task.name`` -> :data:`nested.data.TASKS`, ``model.name`` -> :data:`MODELS`,
+``levels.<name>.rule`` -> :func:`nested.recipes.named` or an import path (:func:`recipe`),
+``optimizer.name`` -> :data:`OPTIMIZERS`. A section's other keys are the parameters of that
+code (:mod:`nested.run.config_fields`): the model's include its *level slots*, which name
+``levels`` entries; a level's, the :class:`nested.Level` fields its recipe passes on and
+``owner`` (the level producing its context; default: the model); the optimizer's, its
+:class:`Schedule`. ``train`` (:class:`Train`; ``train.mesh``:
+:data:`nested.run.sharding.MESH_DEFAULTS`) and ``plasticity`` (:class:`Plasticity`) are
+typed settings. The ``*_config`` helpers write a section with every key, so a locked config
+takes an override of any and rejects a typo; :func:`main` lists them. The checks here are of
+names; :func:`nested.run.config.build` checks the values.
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import optax
 from ml_collections import config_dict
@@ -55,7 +53,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The outer learning rate's schedule: keys of ``optimizer`` (``grad_clip=0``: none)."""
+    """The outer learning rate's schedule, keys of ``optimizer`` (``grad_clip=0``: none)."""
 
     schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = 100
@@ -65,8 +63,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Train:
-    """The ``train`` section, the loop's settings; each is checked by its annotation: an int
-    is >= 1, a float a fraction in [0, 1] (:func:`nested.run.config.check_settings`)."""
+    """The ``train`` section: the training loop's settings."""
 
     steps: int = 1000  # outer steps (one batch each)
     batch_size: int = 32
@@ -88,14 +85,14 @@ class Train:
 @dataclasses.dataclass(frozen=True)
 class Plasticity:
     """The ``plasticity`` section: the alignment of the fast levels' updates logged in
-    training (:mod:`nested.plasticity.alignment`), on the batch's first ``rows`` rows."""
+    training (:mod:`nested.plasticity.alignment`) on the batch's first ``rows`` rows."""
 
     every: int = 0  # steps between measurements; 0: never
     form: Literal[FORMS] = "through_scan"
     rows: int = 8
 
 
-SETTINGS = {  # the sections of settings, each with its fields
+SETTINGS = {  # the sections of settings and their fields
     "train": cf.dataclass_fields(Train),
     "train.mesh": cf.plain(MESH_DEFAULTS),
     "train.mesh.rules": cf.plain(RULE_DEFAULTS),
@@ -103,12 +100,11 @@ SETTINGS = {  # the sections of settings, each with its fields
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelEntry:
+class ModelEntry(NamedTuple):
     """A model a config can name: ``build(**slots, vocab=..., rngs=..., **hyperparameters)``
-    makes the ``nnx.Module``; ``also``: callables receiving its ``**kwargs`` (their keyword
-    parameters are model keys too); ``widths(slot, hyperparameters)``: the ``(d_k, d_v)`` of a
-    level in ``slot`` that leaves them unset, or a :class:`ConfigError`."""
+    makes the ``nnx.Module``; ``widths(slot, hyperparameters)``: the ``(d_k, d_v)`` of a
+    level in ``slot`` that leaves them unset; ``also``: callables receiving ``build``'s
+    ``**kwargs`` (their keyword parameters are model keys too)."""
 
     build: Callable[..., Any]
     widths: Callable[[str, Mapping[str, Any]], tuple[int, int]]
@@ -133,23 +129,23 @@ def _memory_lm_widths(slot: str, hyper: Mapping[str, Any]) -> tuple[int, int]:
     return dim // heads, dim // heads
 
 
-MODELS: dict[str, ModelEntry] = {
+MODELS = {
     "memory_lm": ModelEntry(
-        MemoryLM, _memory_lm_widths, also=(MemoryLayer, MemoryAsContext, MultiFrequencyMemory)
-    ),
+        MemoryLM, _memory_lm_widths, (MemoryLayer, MemoryAsContext, MultiFrequencyMemory)
+    )
 }
 
 
 def lookup(key: str, name: Any, registry: Mapping[str, Any]):
-    """``registry[name]``; raises :class:`ConfigError` naming ``key`` if it is unknown."""
+    """``registry[name]``, or a :class:`ConfigError` naming ``key``."""
     if name not in registry:
         raise ConfigError(f"{key}={name!r} is unknown; allowed: {sorted(registry)}")
     return registry[name]
 
 
 def wrapped(key: str | None, fn: Callable, *args, **kwargs):
-    """Call ``fn``; a ValueError/TypeError it raises becomes a ConfigError naming ``key``
-    (None: the message names it already)."""
+    """``fn(*args, **kwargs)``, a ValueError or TypeError it raises a ConfigError naming
+    ``key`` (None: the message names it)."""
     try:
         return fn(*args, **kwargs)
     except ConfigError:
@@ -159,10 +155,9 @@ def wrapped(key: str | None, fn: Callable, *args, **kwargs):
 
 
 def recipe(key: str, rule: Any) -> Callable[..., Any]:
-    """The level recipe ``rule`` names: a registered one or the function at the import path
+    """The level recipe ``rule`` names: a registered one, or the function at the import path
     ``"module:function"`` (installed, on ``PYTHONPATH`` or, for the entry points, in the
-    current folder), of the registered ones' signature ``(name, *, d_k, d_v, **level_kwargs)
-    -> nested.Level``; else a :class:`ConfigError` naming ``key`` and what is wrong."""
+    current folder) of their signature, ``(name, *, d_k, d_v, **level_kwargs) -> Level``."""
     named = recipes.named()
     if rule in named:
         return named[rule]
@@ -192,16 +187,13 @@ def recipe(key: str, rule: Any) -> Callable[..., Any]:
     return fn
 
 
-# -- the keys of each section -----------------------------------------------------------------
-
-
 def task_fields(name: str) -> cf.Fields:
     return cf.task_fields(name, lookup("task.name", name, data.TASKS))
 
 
 def model_fields(name: str) -> cf.Fields:
-    """A model's keys; those a rule sets in its layer (:data:`nested.recipes.LAYER_OPTIONS`:
-    Falcon's key shift) default to None, "as the slot's rule needs"."""
+    """A model's keys; those a rule sets in its layer (:data:`nested.recipes.LAYER_OPTIONS`)
+    default to None, "as the slot's rule needs"."""
     entry = lookup("model.name", name, MODELS)
     unset = {key for options in recipes.LAYER_OPTIONS.values() for key in options}
     return cf.model_fields(name, entry.build, entry.also, unset=unset)
@@ -217,26 +209,26 @@ def optimizer_fields(name: str) -> cf.Fields:
     return fields | cf.dataclass_fields(Schedule) | cf.configurable(fn, ("learning_rate",))
 
 
-def check_keys(key: str, section: Any, allowed: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of the section ``key``; a :class:`ConfigError` for a key not ``allowed``."""
+def check_keys(key: str, section: Any, allowed: Iterable[str]) -> dict[str, Any]:
+    """The values of the section ``key``, or a :class:`ConfigError` for a key not allowed."""
     if not isinstance(section, Mapping | config_dict.ConfigDict):
         raise ConfigError(f"{key} must be a ConfigDict section, got {section!r}")
-    values = dict(section.items())
-    unknown = sorted(set(values) - set(allowed))
+    unknown = sorted(set(section.keys()) - set(allowed))
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]} is not a key of {key}; allowed: {sorted(allowed)}")
-    return values
+    return dict(section.items())
 
 
 def check_required(key: str, values: Mapping[str, Any], fields: cf.Fields) -> None:
-    """Raise :class:`ConfigError` for a key without a default that ``values`` leaves unset."""
+    """A :class:`ConfigError` for a key without a default that ``values`` leaves unset."""
     for name, field in fields.items():
         if field.default is cf.REQUIRED and values.get(name) is None:
             raise ConfigError(f"{key}.{name} is required; set it in the config")
 
 
 def check_sections(config: config_dict.ConfigDict) -> None:
-    """Raise :class:`ConfigError` unless ``config`` has exactly the :data:`SECTIONS`."""
+    """A :class:`ConfigError` unless ``config`` has the :data:`SECTIONS` (or all but the
+    :data:`OPTIONAL` ones) and no other."""
     unknown = sorted(set(config.keys()) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"config.{unknown[0]} is not a section; allowed: {list(SECTIONS)}")
@@ -246,7 +238,7 @@ def check_sections(config: config_dict.ConfigDict) -> None:
 
 
 def slots(config, model: Mapping[str, Any], entry: ModelEntry) -> tuple[dict, dict]:
-    """Each model slot's level name(s) and the slot of each declared level; raises
+    """Each model slot's level name(s), and each declared level's slot. A
     :class:`ConfigError` for a slot naming an undeclared level, a level in no slot, and a
     ``model.level`` that does not go with ``model.mixer`` (``"attention"``, MemoryLM's
     Transformer++, takes none and may declare no levels; every other mixer needs one)."""
@@ -275,16 +267,17 @@ def slots(config, model: Mapping[str, Any], entry: ModelEntry) -> tuple[dict, di
                     f"model.{slot}={name!r} is not a declared level; allowed: {sorted(declared)}"
                 )
             slot_of[name] = slot
-    for name in (name for name in declared if name not in slot_of):
+    unused = [name for name in declared if name not in slot_of]
+    if unused:
         raise ConfigError(
-            f"levels.{name} is declared but no model slot uses it; set one of "
-            f"{[f'model.{s}' for s in names_in]} to {name!r}"
+            f"levels.{unused[0]} is declared but no model slot uses it; set one of "
+            f"{[f'model.{s}' for s in names_in]} to {unused[0]!r}"
         )
     return names_in, slot_of
 
 
 def owners(config, outer: str) -> dict[str, str]:
-    """Each level's owner (``levels.<name>.owner``, default ``outer``); raises
+    """Each level's owner (``levels.<name>.owner``, default ``outer``), or a
     :class:`ConfigError` for one that is neither ``outer`` nor another level."""
     names = list(config.levels.keys())
     out = {name: config.levels[name].get("owner") or outer for name in names}
@@ -293,9 +286,6 @@ def owners(config, outer: str) -> dict[str, str]:
             allowed = [outer, *(n for n in names if n != name)]
             raise ConfigError(f"levels.{name}.owner={owner!r} is unknown; allowed: {allowed}")
     return out
-
-
-# -- writing and reading configs --------------------------------------------------------------
 
 
 def variant(arg: str | None, *, default: str = "delta", others: Sequence[str] = ()) -> str:
@@ -322,21 +312,21 @@ def model_config(name: str, **hyper) -> config_dict.ConfigDict:
 
 
 def level_config(rule: str, **fields) -> config_dict.ConfigDict:
-    """One ``levels`` entry: ``rule``, ``owner``, the recipe's hyperparameters and the level
-    fields it passes on (``every``, ``persist``, ``read``, ``truncate``, ``chunk``, ...)."""
+    """A ``levels`` entry: ``rule``, ``owner``, the recipe's hyperparameters and the
+    :class:`nested.Level` fields it passes on (``every``, ``persist``, ``chunk``, ...)."""
     return _section(level_fields(rule), {"rule": rule, **fields})
 
 
 def optimizer_config(name: str = "adamw", **hyper) -> config_dict.ConfigDict:
-    """The ``optimizer`` section: ``name``, ``learning_rate``, the :class:`Schedule` and every
-    simple hyperparameter of the optax function."""
+    """The ``optimizer`` section: ``name``, ``learning_rate``, the :class:`Schedule` and the
+    optax function's simple hyperparameters."""
     return _section(optimizer_fields(name), {"name": name, **hyper})
 
 
 def train_config(*, mesh: Mapping[str, Any] | None = None, **fields) -> config_dict.ConfigDict:
-    """The ``train`` section: :class:`Train` overridden by ``fields``, its ``mesh`` (of
-    :data:`~nested.run.sharding.MESH_DEFAULTS`) by ``mesh``, and the mesh's ``rules``
-    (:data:`~nested.run.partitioning.RULE_DEFAULTS`) by ``mesh["rules"]``."""
+    """The ``train`` section: :class:`Train` overridden by ``fields``, and its ``mesh`` (of
+    :data:`~nested.run.sharding.MESH_DEFAULTS`, ``rules`` of
+    :data:`~nested.run.partitioning.RULE_DEFAULTS`) by ``mesh``."""
     mesh = dict(mesh or {})
     rules = _section(SETTINGS["train.mesh.rules"], mesh.pop("rules", {}))
     section = _section(SETTINGS["train"], fields)
@@ -351,8 +341,8 @@ def plasticity_config(**fields) -> config_dict.ConfigDict:
 
 
 def load(spec: str) -> config_dict.ConfigDict:
-    """``get_config(variant)`` of the file in ``spec = "path.py[:variant]"``, unlocked (the
-    entry points' ``--config path.py:variant``, from Python: notebooks and tests)."""
+    """``get_config(variant)`` of the file ``spec = "path.py[:variant]"``, unlocked: the
+    entry points' ``--config path.py:variant`` from Python (notebooks, tests)."""
     path, _, variant = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if module_spec is None or not Path(path).is_file():
@@ -368,11 +358,16 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def _node(config: config_dict.ConfigDict, prefix: str) -> Any:
+    for part in prefix.split("."):
+        config = config.get(part, {}) if isinstance(config, config_dict.ConfigDict) else {}
+    return config
+
+
 def from_json(data: Mapping[str, Any]) -> config_dict.ConfigDict:
     """A config read back from its JSON (a run's ``config.json``) as its file made it: lists
-    as tuples, each None a placeholder of its key's type (so an override ``--config.<key>=``
-    parses as on the file's config). A :class:`ConfigError` for a name no registry knows (a
-    rule's module no longer importable)."""
+    as tuples, each None a placeholder of its key's type (so ``--config.<key>=...`` parses as
+    on the file's config). A :class:`ConfigError` for a name no registry knows."""
     config = config_dict.ConfigDict(_tuples(data))
     for prefix, fields in accepted(config).items():
         node = _node(config, prefix)
@@ -382,34 +377,24 @@ def from_json(data: Mapping[str, Any]) -> config_dict.ConfigDict:
     return config
 
 
-def _node(config: config_dict.ConfigDict, prefix: str) -> Any:
-    for part in prefix.split("."):
-        config = config.get(part, {}) if isinstance(config, config_dict.ConfigDict) else {}
-    return config
-
-
-# -- listing keys -----------------------------------------------------------------------------
-
-
 def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
-    """The keys each section of ``config`` accepts (a ``levels.<name>`` per level), their
-    values in ``config`` as defaults."""
+    """The keys each section of ``config`` accepts (``levels.<name>`` for each level), with
+    their values in ``config`` as defaults."""
     sections = {
         "task": task_fields(config.task.name),
         "model": model_fields(config.model.name),
         **{
-            f"levels.{name}": level_fields(s.rule, f"levels.{name}.rule")
-            for name, s in config.levels.items()
+            f"levels.{n}": level_fields(s.rule, f"levels.{n}.rule")
+            for n, s in config.levels.items()
         },
         "optimizer": optimizer_fields(config.optimizer.name),
         **SETTINGS,
     }
-    return {
-        prefix: {
-            k: f._replace(default=_node(config, prefix).get(k, f.default)) for k, f in fs.items()
-        }
-        for prefix, fs in sections.items()
-    }
+    out = {}
+    for prefix, fields in sections.items():
+        node = _node(config, prefix)
+        out[prefix] = {k: f._replace(default=node.get(k, f.default)) for k, f in fields.items()}
+    return out
 
 
 def registered() -> dict[str, cf.Fields]:
