@@ -1,12 +1,12 @@
 """Experiment configs: an ``ml_collections.ConfigDict`` -> task, nested system, program.
 
-A config's sections name the code they configure through registries and hold its parameters
-(:mod:`nested.run.config_schema`: the registries, the keys of each section, the ``*_config``
-helpers writing a section with every key, :func:`load` and :func:`variant`, all importable
-from here), so ``--config.levels.memory.every=16`` turns the online delta rule into
-mini-batch TTT. :func:`build` checks the whole config before anything is compiled and raises
-:class:`ConfigError` (a ``ValueError``), one line naming the key and the allowed values. Every
-key a config accepts, with its type and value::
+A config's sections name the code they configure and hold its parameters
+(:mod:`nested.run.config_schema`: the registries, each section's keys, the ``*_config``
+helpers writing a section with every key, :func:`load`, :func:`variant`; all importable from
+here), so ``--config.levels.memory.every=16`` turns the online delta rule into mini-batch
+TTT. :func:`build` checks the whole config before anything is compiled; a :class:`ConfigError`
+(a ``ValueError``) is one line naming the key and the allowed values. Every key a config
+accepts, with its type and value::
 
     python -m nested.run.config configs/mqar.py[:variant]
     python -m nested.run.config --registered  # of every registered rule, model, task, optimizer
@@ -33,7 +33,7 @@ from nested.learn import objectives
 from nested.levels import recipes
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema
-from nested.run.config_schema import MODELS, OPTIMIZERS, ConfigError
+from nested.run.config_schema import MODELS, OPTIMIZERS, SETTINGS, ConfigError
 from nested.run.sharding import check_mesh
 
 # Defined in config_schema and used from here by configs, tests and the entry points:
@@ -73,14 +73,26 @@ def _positive(key: str, value: Any, *, zero: bool = False) -> int:
     return value
 
 
+def _multiple(key: str, value: int, of_key: str, of: int, otherwise: str) -> None:
+    if value % of:
+        raise ConfigError(
+            f"{key}={value} is not a multiple of {of_key}={of}; allowed: multiples of {of}, "
+            + otherwise
+        )
+
+
+def _divides(value: int, n: int, message: str) -> None:
+    if n % value:
+        raise ConfigError(f"{message}; allowed: {schema.divisors(n)}")
+
+
 def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, Any]:
     """The section ``key`` of the settings dataclass ``cls`` (keys of its own and of ``also``;
     its defaults where unset), each value checked by its annotation: a ``Literal`` one of its
     values, a ``bool`` True or False, a ``float`` a number in [0, 1], an ``int`` >= 1 (>= 0
     where its default is 0: off)."""
-    allowed = [*schema.SETTINGS[key], *also]
-    values = {**dataclasses.asdict(cls()), **schema.check_keys(key, section, allowed)}
-    hints = typing.get_type_hints(cls)
+    values = schema.check_keys(key, section, [*SETTINGS[key], *also])
+    values, hints = {**dataclasses.asdict(cls()), **values}, typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name, value, hint = f"{key}.{f.name}", values[f.name], hints[f.name]
         if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
@@ -96,14 +108,27 @@ def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, A
 
 
 def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[int, int]]):
-    """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it."""
+    """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it.
+    Its periods are ones the inner loops can run: chunks of whole update periods, and whole
+    periods per sequence where a level is carried across sequences or learns span by span."""
     key, rule = f"levels.{name}", section.get("rule")
     recipe = schema.recipe(f"{key}.rule", rule)
     fields = cf.level_fields(rule, recipe)
     # an unset (None) option of another rule, left by a --config...rule override, is no error
     values = {k: v for k, v in section.items() if k in fields or v is not None}
     values = schema.check_keys(key, values, fields)
-    _check_period(key, values, task)
+    every = _positive(f"{key}.every", values.get("every", 1))
+    for field in (f for f in ("chunk", "truncate") if values.get(f) is not None):
+        value, e_g = _positive(f"{key}.{field}", values[field]), [every * i for i in range(1, 5)]
+        _multiple(f"{key}.{field}", value, f"{key}.every", every, f"e.g. {e_g}")
+    if values.get("persist") == "stream":
+        _divides(
+            every,
+            task.seq_len,
+            f"{key}.every={every} does not divide the sequence length "
+            f"{task.seq_len} of the task, so a stream carried across sequences would break "
+            "its update chunks",
+        )
     if "d_k" in fields and (values.get("d_k") is None or values.get("d_v") is None):
         d_k, d_v = widths()
         values["d_k"], values["d_v"] = values.get("d_k") or d_k, values.get("d_v") or d_v
@@ -115,64 +140,37 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
             f"{key}.rule={rule!r} returned a {type(level).__name__}, not a nested.Level; a "
             "recipe is (name, *, d_k, d_v, **level_kwargs) -> nested.Level"
         )
-    if level.learns_outer_loss and task.seq_len % level.every:
-        raise ConfigError(
-            f"{key}.every={level.every} does not divide the task's sequence length "
-            f"{task.seq_len} (the model runs period by period); allowed: "
-            f"{schema.divisors(task.seq_len)}"
+    if level.learns_outer_loss:
+        _divides(
+            level.every,
+            task.seq_len,
+            f"{key}.every={level.every} does not divide the "
+            f"task's sequence length {task.seq_len} (the model runs period by period)",
         )
     return level
 
 
-def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
-    """Periods the inner loops can run: chunking is whole update chunks, and levels that see
-    a stream across sequences (or learn period by period) see whole ones per sequence."""
-    every = _positive(f"{key}.every", values.get("every", 1))
-    for field in ("chunk", "truncate"):
-        value = values.get(field)
-        if value is not None and (_positive(f"{key}.{field}", value) % every):
-            raise ConfigError(
-                f"{key}.{field}={value} is not a multiple of {key}.every={every}; allowed: "
-                f"multiples of {every}, e.g. {[every * i for i in range(1, 5)]}"
-            )
-    if values.get("persist") == "stream" and task.seq_len % every:
-        raise ConfigError(
-            f"{key}.every={every} does not divide the sequence length {task.seq_len} of the "
-            f"task, so a stream carried across sequences would break its update chunks; "
-            f"allowed: {schema.divisors(task.seq_len)}"
-        )
-
-
 def _check_train(config, carries_fast: bool) -> dict[str, Any]:
-    """The ``train`` section checked (:func:`check_settings`), its periods whole jitted calls
-    (an interval of ``train.steps`` or more: at the end only; the loop always logs, evaluates
-    and checkpoints the last step), its ``mesh`` (:func:`nested.run.sharding.check_mesh`)."""
+    """The ``train`` section checked (:func:`check_settings`; its ``mesh``:
+    :func:`nested.run.sharding.check_mesh`): an interval of ``train.steps`` or more means at
+    the end only (the loop always logs, evaluates and checkpoints the last step)."""
     train = check_settings("train", schema.Train, config.train, also=["mesh"])
-    mesh_keys = [*schema.SETTINGS["train.mesh"], "rules"]
+    mesh_keys, rules = [*SETTINGS["train.mesh"], "rules"], SETTINGS["train.mesh.rules"]
     mesh = schema.check_keys("train.mesh", train.get("mesh", {}), mesh_keys)
-    mesh["rules"] = schema.check_keys(
-        "train.mesh.rules", mesh.get("rules", {}), schema.SETTINGS["train.mesh.rules"]
-    )
+    mesh["rules"] = schema.check_keys("train.mesh.rules", mesh.get("rules", {}), rules)
     train["mesh"] = schema.wrapped(None, check_mesh, mesh)
-    k = train["steps_per_call"]
-    for name in ("log_every", "eval_every", "checkpoint_every"):
-        if train[name] < train["steps"] and train[name] % k:
-            raise ConfigError(
-                f"train.{name}={train[name]} is not a multiple of train.steps_per_call={k}; "
-                f"allowed: multiples of {k}, or train.steps={train['steps']} and more (at the "
-                "end only)"
-            )
-    if carries_fast and train["eval_batch_size"] != train["batch_size"]:
+    steps, k, rows = train["steps"], train["steps_per_call"], train["batch_size"]
+    for name in (n for n in ("log_every", "eval_every", "checkpoint_every") if train[n] < steps):
+        end = f"or train.steps={steps} and more (at the end only)"
+        _multiple(f"train.{name}", train[name], "train.steps_per_call", k, end)
+    if carries_fast and train["eval_batch_size"] != rows:
         raise ConfigError(
             f"train.eval_batch_size={train['eval_batch_size']} must equal train.batch_size="
-            f"{train['batch_size']}: a level with persist='stream' evaluates from the carried "
-            f"fast state, one per batch row; allowed: {train['batch_size']}"
+            f"{rows}: a level with persist='stream' evaluates from the carried fast state, one "
+            f"per batch row; allowed: {rows}"
         )
-    if train["batch_size"] % train["microbatches"]:
-        raise ConfigError(
-            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
-            f"{train['batch_size']}; allowed: {schema.divisors(train['batch_size'])}"
-        )
+    m = train["microbatches"]
+    _divides(m, rows, f"train.microbatches={m} does not divide train.batch_size={rows}")
     return train
 
 
@@ -180,12 +178,8 @@ def plasticity_settings(config) -> dict[str, Any]:
     """The ``plasticity`` section checked (:func:`check_settings`; none: the defaults), its
     ``every`` a multiple of ``train.steps_per_call``."""
     settings = check_settings("plasticity", schema.Plasticity, config.get("plasticity") or {})
-    every, k = settings["every"], config.train.get("steps_per_call", 1)
-    if every % k:
-        raise ConfigError(
-            f"plasticity.every={every} is not a multiple of train.steps_per_call={k}; allowed: "
-            f"multiples of {k}, or 0 (off)"
-        )
+    k = config.train.get("steps_per_call", 1)
+    _multiple("plasticity.every", settings["every"], "train.steps_per_call", k, "or 0 (off)")
     return settings
 
 
@@ -196,10 +190,7 @@ def _make_optimizer(config, steps: int):
     lr = hyper.pop("learning_rate")
     if not isinstance(lr, int | float) or lr <= 0:
         raise ConfigError(f"optimizer.learning_rate={lr!r} must be a positive number")
-    schedule, warmup, min_ratio, clip = (
-        hyper.pop(f.name, f.default) for f in dataclasses.fields(schema.Schedule)
-    )
-    del hyper["name"]
+    schedule, warmup, min_ratio, clip = (hyper.pop(f) for f in cf.dataclass_fields(schema.Schedule))
     allowed = typing.get_args(typing.get_type_hints(schema.Schedule)["schedule"])
     if schedule not in allowed:
         raise ConfigError(f"optimizer.schedule={schedule!r} is unknown; allowed: {allowed}")
@@ -212,6 +203,7 @@ def _make_optimizer(config, steps: int):
         lr_fn = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     else:
         lr_fn = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * min_ratio)
+    del hyper["name"]
     tx = schema.wrapped("optimizer", OPTIMIZERS[name], learning_rate=lr_fn, **hyper)
     return (optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx), lr_fn
 
@@ -219,9 +211,9 @@ def _make_optimizer(config, steps: int):
 def _model_hyper(config, model, entry, slots, levels) -> dict[str, Any]:
     """The model's keyword arguments: its hyperparameters, its slots' levels, and the layer
     options the rules of its single-level slots ask for (:data:`nested.recipes.LAYER_OPTIONS`:
-    ``rule=falcon`` gives ``key_shift=True``) unless the model sets them."""
-    # Keys of the `also` callables are passed only when set, so a model whose **kwargs go
-    # to another callable (another mixer) never receives keys it does not take.
+    ``rule=falcon`` gives ``key_shift=True``) unless the model sets them. Keys of the ``also``
+    callables are passed only when set, so that a model whose ``**kwargs`` go to another
+    callable (another mixer) never receives keys it does not take."""
     own, fields = set(cf.parameters(entry.build)[0]), schema.model_fields(config.model.name)
     hyper = {
         k: v
@@ -255,11 +247,10 @@ def document_grid(model: Mapping[str, Any], levels: Mapping[str, Level]) -> int:
 
 
 def as_run(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
-    """The config a run uses: ``config`` itself, or, with ``train.smoke=True``, a copy cut to
-    a short check that the config trains, evaluates and checkpoints end to end: at most
-    :data:`SMOKE_STEPS` steps, a log after every call, one evaluation (of one batch per
-    split) and one checkpoint at the end, ``optimizer.warmup_steps`` at most half the steps.
-    Everything else (model, data, batch size) is the config's."""
+    """The config a run uses: ``config``, or with ``train.smoke=True`` a copy cut to a short
+    check that it trains, evaluates and checkpoints end to end: at most :data:`SMOKE_STEPS`
+    steps, a log after every call, one evaluation (of one batch per split) and one checkpoint
+    at the end, ``optimizer.warmup_steps`` at most half the steps; all else is the config's."""
     if config.train.get("smoke") is not True:
         return config
     config = copy.deepcopy(config)
@@ -281,8 +272,8 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     config = as_run(config)
     _positive("seed", config.seed, zero=True)
     name = config.task.get("name")
-    task = {k: v for k, v in config.task.items() if k != "name" and v is not None}
-    schema.check_keys("task", config.task, schema.task_fields(name))
+    task = schema.check_keys("task", config.task, schema.task_fields(name))
+    task = {k: v for k, v in task.items() if k != "name" and v is not None}
     task = schema.wrapped("task", data.make_task, name, **task)
     entry = schema.lookup("model.name", config.model.get("name"), MODELS)
     fields = schema.model_fields(config.model.name)
@@ -296,12 +287,14 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     if getattr(task, "align", 1) is None and getattr(task, "documents", False):
         task = dataclasses.replace(task, align=document_grid(model, levels))
     carries_fast = any(level.persist == "stream" for level in levels.values())
-    segment = model.get("window")
-    if model.get("mixer") == "context" and carries_fast and task.seq_len % (segment or 1):
-        raise ConfigError(
-            f"model.window={segment} (the memory-as-context segment) does not divide the "
-            f"sequence length {task.seq_len}: a stream carried across sequences would restart "
-            f"a segment inside each sequence; allowed: {schema.divisors(task.seq_len)}"
+    if model.get("mixer") == "context" and carries_fast:
+        segment = model.get("window")
+        _divides(
+            segment or 1,
+            task.seq_len,
+            f"model.window={segment} (the memory-as-context "
+            f"segment) does not divide the sequence length {task.seq_len}: a stream "
+            "carried across sequences would restart a segment inside each sequence",
         )
     train = _check_train(config, carries_fast)
     plasticity = plasticity_settings(config)

@@ -154,20 +154,20 @@ def model_slots(build: Callable, also: Sequence[Callable] = ()) -> dict[str, boo
 
 
 def section(fields: Mapping[str, Field], values: Mapping[str, Any]) -> config_dict.ConfigDict:
-    """A ConfigDict of every key of ``fields``: its value in ``values``, else its default
-    (lists as tuples), else (None or no default) a placeholder of its type, which a locked
-    config lets an override of that type set. A ``ValueError`` for a key ``fields`` lacks."""
+    """A ConfigDict of every key of ``fields``, typed: its default (lists as tuples; None or
+    none: a placeholder of its type, which a locked config lets an override of that type set)
+    replaced by its value in ``values``. A ``ValueError`` for a key ``fields`` lacks, a
+    ``TypeError`` (ml_collections') for a value of another type."""
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(fields)}")
     out = config_dict.ConfigDict()
     for name, (default, kind) in fields.items():
-        if name in values:
+        default = tuple(default) if isinstance(default, list) else default
+        unset = default is None or default is REQUIRED
+        out[name] = config_dict.placeholder(kind) if unset else default
+        if name in values:  # typed: ConfigDict's own check raises a TypeError naming the key
             out[name] = values[name]
-        elif default is None or default is REQUIRED:
-            out[name] = config_dict.placeholder(kind)
-        else:
-            out[name] = tuple(default) if isinstance(default, list) else default
     return out
 
 
