@@ -81,11 +81,6 @@ def _multiple(key: str, value: int, of_key: str, of: int, otherwise: str) -> Non
         )
 
 
-def _divides(value: int, n: int, message: str) -> None:
-    if n % value:
-        raise ConfigError(f"{message}; allowed: {schema.divisors(n)}")
-
-
 def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, Any]:
     """The section ``key`` of the settings dataclass ``cls`` (keys of its own and of ``also``;
     its defaults where unset), each value checked by its annotation: a ``Literal`` one of its
@@ -121,13 +116,11 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
     for field in (f for f in ("chunk", "truncate") if values.get(f) is not None):
         value, e_g = _positive(f"{key}.{field}", values[field]), [every * i for i in range(1, 5)]
         _multiple(f"{key}.{field}", value, f"{key}.every", every, f"e.g. {e_g}")
-    if values.get("persist") == "stream":
-        _divides(
-            every,
-            task.seq_len,
-            f"{key}.every={every} does not divide the sequence length "
-            f"{task.seq_len} of the task, so a stream carried across sequences would break "
-            "its update chunks",
+    if values.get("persist") == "stream" and task.seq_len % every:
+        raise ConfigError(
+            f"{key}.every={every} does not divide the sequence length {task.seq_len} of the "
+            "task, so a stream carried across sequences would break its update chunks; "
+            f"allowed: {schema.divisors(task.seq_len)}"
         )
     if "d_k" in fields and (values.get("d_k") is None or values.get("d_v") is None):
         d_k, d_v = widths()
@@ -140,12 +133,11 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
             f"{key}.rule={rule!r} returned a {type(level).__name__}, not a nested.Level; a "
             "recipe is (name, *, d_k, d_v, **level_kwargs) -> nested.Level"
         )
-    if level.learns_outer_loss:
-        _divides(
-            level.every,
-            task.seq_len,
-            f"{key}.every={level.every} does not divide the "
-            f"task's sequence length {task.seq_len} (the model runs period by period)",
+    if level.learns_outer_loss and task.seq_len % level.every:
+        raise ConfigError(
+            f"{key}.every={level.every} does not divide the task's sequence length "
+            f"{task.seq_len} (the model runs period by period); allowed: "
+            f"{schema.divisors(task.seq_len)}"
         )
     return level
 
@@ -169,8 +161,11 @@ def _check_train(config, carries_fast: bool) -> dict[str, Any]:
             f"{rows}: a level with persist='stream' evaluates from the carried fast state, one "
             f"per batch row; allowed: {rows}"
         )
-    m = train["microbatches"]
-    _divides(m, rows, f"train.microbatches={m} does not divide train.batch_size={rows}")
+    if rows % train["microbatches"]:
+        raise ConfigError(
+            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
+            f"{rows}; allowed: {schema.divisors(rows)}"
+        )
     return train
 
 
@@ -287,14 +282,12 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     if getattr(task, "align", 1) is None and getattr(task, "documents", False):
         task = dataclasses.replace(task, align=document_grid(model, levels))
     carries_fast = any(level.persist == "stream" for level in levels.values())
-    if model.get("mixer") == "context" and carries_fast:
-        segment = model.get("window")
-        _divides(
-            segment or 1,
-            task.seq_len,
-            f"model.window={segment} (the memory-as-context "
-            f"segment) does not divide the sequence length {task.seq_len}: a stream "
-            "carried across sequences would restart a segment inside each sequence",
+    segment = model.get("window")
+    if model.get("mixer") == "context" and carries_fast and task.seq_len % (segment or 1):
+        raise ConfigError(
+            f"model.window={segment} (the memory-as-context segment) does not divide the "
+            f"sequence length {task.seq_len}: a stream carried across sequences would restart "
+            f"a segment inside each sequence; allowed: {schema.divisors(task.seq_len)}"
         )
     train = _check_train(config, carries_fast)
     plasticity = plasticity_settings(config)
