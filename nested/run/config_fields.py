@@ -67,14 +67,14 @@ def slot_kind(hint: Any) -> type | None:
 
 
 def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
-    """The named parameters of ``fn`` (a class: its ``__init__``), their type hints (none if
-    unresolvable), and whether it takes ``**kwargs``."""
+    """The named parameters of ``fn`` (a class: its ``__init__``), their type hints, and
+    whether it takes ``**kwargs``."""
     target = fn.__init__ if inspect.isclass(fn) else fn
     params = dict(inspect.signature(target).parameters)
     params.pop("self", None)
     try:
         hints = typing.get_type_hints(target)
-    except NameError:
+    except NameError:  # unresolvable annotations: fall back to the defaults' types
         hints = {}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     named = {n: p for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
@@ -131,7 +131,9 @@ def _signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callabl
     return [(build, {"vocab", "rngs"})] + [(fn, own | {"rngs"}) for fn in also]
 
 
-def model_fields(name: str, build: Callable, also=(), *, unset: Iterable[str] = ()) -> Fields:
+def model_fields(
+    name: str, build: Callable, also: Sequence[Callable] = (), *, unset: Iterable[str] = ()
+) -> Fields:
     """The ``model`` section of the model ``build`` named ``name``: ``name``, the parameters
     of ``build`` but ``vocab`` and ``rngs``, then those it lacks of the ``also`` callables
     (which receive its ``**kwargs``); the keys of ``unset`` default to None."""
