@@ -342,6 +342,21 @@ def test_section_helpers_reject_unknown_keys():
         nc.level_config("nope")
 
 
+def test_section_helpers_type_their_keys_as_ml_collections_does():
+    """The settings are typed defaults: a value of another type is refused as it is written
+    (ml_collections' own check, naming the key); an int is a float, a list a tuple."""
+    with pytest.raises(nc.ConfigError, match=r"^Could not override field 'steps' .* 2\.5 .*int"):
+        nc.train_config(steps=2.5)
+    with pytest.raises(nc.ConfigError, match=r"^Could not override field 'form' .* 2 .*str"):
+        nc.plasticity_config(form=2)
+    with pytest.raises(nc.ConfigError, match=r"^Could not override field 'data' .* 2 .*str"):
+        nc.train_config(mesh={"data": "2"})
+    section = nc.train_config(max_skipped_fraction=0, mesh={"rules": {"embed": "tensor"}})
+    assert section.max_skipped_fraction == 0.0 and isinstance(section.max_skipped_fraction, float)
+    assert section.mesh.rules.embed == "tensor" and section.mesh.data == -1
+    assert nc.level_config("delta", lr=1).lr == 1.0  # a placeholder takes its type too
+
+
 def test_intervals_of_the_run_length_or_more_mean_at_the_end():
     """A short run keeps the config's intervals: 50 and 200 on 8 steps log, evaluate and
     checkpoint at step 8 only, whatever train.steps_per_call; a checkpoint may fall inside a

@@ -60,56 +60,50 @@ def _one_line(error: BaseException) -> str:
 
 
 def _config_spec(argv: Sequence[str]) -> str | None:
-    for i, arg in enumerate(argv):
+    """The value of ``--config`` in ``argv``, None without one."""
+    for arg, after in zip(argv, [*argv[1:], None], strict=True):
         if arg.startswith(f"--{CONFIG_FLAG}="):
             return arg.split("=", 1)[1]
-        if arg == f"--{CONFIG_FLAG}" and i + 1 < len(argv):
-            return argv[i + 1]
+        if arg == f"--{CONFIG_FLAG}":
+            return after
     return None
 
 
 def _unknown_override(argv: Sequence[str], config) -> str | None:
     """The first ``--config.<path>=...`` whose path is not in ``config``, explained."""
     prefix = f"--{CONFIG_FLAG}."
-    for arg in argv:
-        if not arg.startswith(prefix):
-            continue
-        path = arg[len(prefix) :].split("=", 1)[0]
+    for path in (a[len(prefix) :].split("=", 1)[0] for a in argv if a.startswith(prefix)):
         node, walked = config, CONFIG_FLAG
         for key in path.split("."):
             if not isinstance(node, config_dict.ConfigDict):
                 return f"{prefix}{path}: {walked} is a value, not a section"
             if key not in node:
-                return (
-                    f"{prefix}{path}: {walked} has no key {key!r}; allowed: {sorted(node.keys())}"
-                )
+                return f"{prefix}{path}: {walked} has no key {key!r}; allowed: {sorted(node)}"
             node, walked = node[key], f"{walked}.{key}"
     return None
 
 
 def _flag_error(argv: Sequence[str], error: BaseException) -> str:
+    """What went wrong parsing ``argv``: the config file's error, an unknown override, or
+    ``error``."""
     spec = _config_spec(argv)
-    if spec is not None:
-        try:
-            config = config_lib.load(spec)
-        except config_lib.ConfigError as load_error:
-            return f"--{CONFIG_FLAG} {spec}: {_one_line(load_error)}"
-        except Exception as load_error:  # noqa: BLE001 - an error inside the config file
-            return f"--{CONFIG_FLAG} {spec}: get_config() failed: {_one_line(load_error)}"
-        unknown = _unknown_override(argv, config)
-        if unknown is not None:
-            return unknown
-    return _one_line(error)
+    if spec is None:
+        return _one_line(error)
+    try:
+        config = config_lib.load(spec)
+    except config_lib.ConfigError as load_error:
+        return f"--{CONFIG_FLAG} {spec}: {_one_line(load_error)}"
+    except Exception as load_error:  # noqa: BLE001 - an error inside the config file
+        return f"--{CONFIG_FLAG} {spec}: get_config() failed: {_one_line(load_error)}"
+    return _unknown_override(argv, config) or _one_line(error)
 
 
 def workdir_config(workdir: str, overrides: Sequence[str]) -> config_dict.ConfigDict:
     """The config of the run in ``workdir`` with the ``--config.<key>=<value>`` arguments
-    ``overrides`` applied, parsed as ml_collections parses them on a config file's config;
-    they may set keys of :data:`WORKDIR_SECTIONS` only. Raises :class:`ConfigError` naming
-    the override."""
-    prefix = f"--{CONFIG_FLAG}."
+    ``overrides`` (of :data:`WORKDIR_SECTIONS` only) applied as ml_collections applies them to
+    a config file's config; a :class:`ConfigError` names a bad one."""
     for arg in overrides:
-        if not arg[len(prefix) :].startswith(tuple(f"{s}." for s in WORKDIR_SECTIONS)):
+        if not arg.startswith(tuple(f"--{CONFIG_FLAG}.{s}." for s in WORKDIR_SECTIONS)):
             raise config_lib.ConfigError(
                 f"{arg.split('=', 1)[0]}: evaluating --workdir's run keeps its model; overrides "
                 f"may change {[f'{s}.*' for s in WORKDIR_SECTIONS]} (or pass --{CONFIG_FLAG}, "
@@ -127,13 +121,12 @@ def workdir_config(workdir: str, overrides: Sequence[str]) -> config_dict.Config
 
 
 def parse_flags(argv: Sequence[str], *, config_from_workdir: bool = False) -> list[str]:
-    """Parse ``argv`` into ``absl.flags.FLAGS``; on a mistake, exit with one line. With
+    """Parse ``argv`` into ``absl.flags.FLAGS``, or exit with one line. With
     ``config_from_workdir``, overrides without ``--config`` apply to the workdir's config."""
-    prefix = f"--{CONFIG_FLAG}."
-    overrides = [a for a in argv[1:] if a.startswith(prefix)]
+    overrides = [a for a in argv[1:] if a.startswith(f"--{CONFIG_FLAG}.")]
     from_workdir = config_from_workdir and overrides and _config_spec(argv) is None
     if from_workdir:
-        argv = [a for a in argv if not a.startswith(prefix)]
+        argv = [a for a in argv if a not in overrides]
     try:
         rest = flags.FLAGS(argv)
     except SystemExit:  # absl's help flags print the usage, then exit 1: asked for, it is 0
@@ -144,18 +137,16 @@ def parse_flags(argv: Sequence[str], *, config_from_workdir: bool = False) -> li
         sys.exit(f"error: {_flag_error(argv, error)}")
     if len(rest) > 1:
         sys.exit(f"error: unexpected arguments {rest[1:]}; flags look like --name=value")
-    if from_workdir:
-        try:
-            config = workdir_config(flags.FLAGS[WORKDIR_FLAG].value, overrides)
-        except config_lib.ConfigError as error:
-            sys.exit(f"error: {_one_line(error)}")
-        flags.FLAGS[CONFIG_FLAG].value = config
-    if CONFIG_FLAG in flags.FLAGS:
-        value = flags.FLAGS[CONFIG_FLAG].value
-        if value is not None and not isinstance(value, config_dict.ConfigDict):
-            # ml_collections defers a file that fails to load until the config is read.
-            cause = getattr(value, "_error", None) or OSError("the config could not be loaded")
-            sys.exit(f"error: {_flag_error(argv, cause)}")
+    with user_errors():
+        if from_workdir:
+            flags.FLAGS[CONFIG_FLAG].value = workdir_config(
+                flags.FLAGS[WORKDIR_FLAG].value, overrides
+            )
+    value = flags.FLAGS[CONFIG_FLAG].value if CONFIG_FLAG in flags.FLAGS else None
+    if value is not None and not isinstance(value, config_dict.ConfigDict):
+        # ml_collections defers a file that fails to load until the config is read.
+        cause = getattr(value, "_error", None) or OSError("the config could not be loaded")
+        sys.exit(f"error: {_flag_error(argv, cause)}")
     return rest
 
 

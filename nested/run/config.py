@@ -1,14 +1,12 @@
 """Experiment configs: an ``ml_collections.ConfigDict`` -> task, nested system, program.
 
-A config has the sections of :data:`~nested.run.config_schema.SECTIONS`; each names the
-code it configures through a registry, and its other keys are that code's parameters
-(:mod:`nested.run.config_schema`: the registries, the keys of each section, the ``*_config``
-helpers that write a section with every key, :func:`load` and :func:`variant`, all importable
-from here). So
-``--config.levels.memory.every=16`` turns the online delta rule into mini-batch TTT.
-:func:`build` validates the whole config before anything is compiled and raises
-:class:`ConfigError` (a ``ValueError``) with a one-line message naming the key and the allowed
-values. Every key a config accepts, with its type and value::
+A config's sections name the code they configure and hold its parameters
+(:mod:`nested.run.config_schema`: the registries, each section's keys, the ``*_config``
+helpers writing a section with every key, :func:`load`, :func:`variant`; all importable from
+here), so ``--config.levels.memory.every=16`` turns the online delta rule into mini-batch
+TTT. :func:`build` checks the whole config before anything is compiled; a :class:`ConfigError`
+(a ``ValueError``) is one line naming the key and the allowed values. Every key a config
+accepts, with its type and value::
 
     python -m nested.run.config configs/mqar.py[:variant]
     python -m nested.run.config --registered  # of every registered rule, model, task, optimizer
@@ -20,6 +18,7 @@ import copy
 import dataclasses
 import functools
 import math
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -32,25 +31,27 @@ from nested.core.scheduler import Program, compile
 from nested.core.system import NestedSystem
 from nested.learn import objectives
 from nested.levels import recipes
-from nested.plasticity.alignment import FORMS
 from nested.run import config_fields as cf
 from nested.run import config_schema as schema
-from nested.run.config_schema import MODELS, OPTIMIZERS, TRAIN_DEFAULTS, ConfigError
-from nested.run.sharding import MESH_DEFAULTS, RULE_DEFAULTS, check_mesh
+from nested.run.config_schema import MODELS, OPTIMIZERS, SETTINGS, ConfigError
+from nested.run.sharding import check_mesh
 
 # Defined in config_schema and used from here by configs, tests and the entry points:
 load, from_json, variant = schema.load, schema.from_json, schema.variant
-task_config = schema.task_config
-model_config, level_config = schema.model_config, schema.level_config
+task_config, model_config, level_config = (
+    schema.task_config,
+    schema.model_config,
+    schema.level_config,
+)
 optimizer_config, train_config = schema.optimizer_config, schema.train_config
 plasticity_config = schema.plasticity_config
 OUTER = "model"  # name of the outermost level
+SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
 
 
 class Experiment(NamedTuple):
-    """A validated config, built: the task, the nested system, its compiled program, the
-    outer learning-rate schedule ``step -> lr`` (for logging) and the checked ``plasticity``
-    settings (:func:`plasticity_settings`)."""
+    """A checked config, built: the task, the nested system, its compiled program, the outer
+    learning-rate schedule ``step -> lr`` (for logging) and the ``plasticity`` settings."""
 
     config: config_dict.ConfigDict
     task: data.Task
@@ -72,28 +73,60 @@ def _positive(key: str, value: Any, *, zero: bool = False) -> int:
     return value
 
 
-def _make_task(config) -> data.Task:
-    name = config.task.get("name")
-    fields = schema.check_keys("task", config.task, schema.task_fields(name))
-    fields = {k: v for k, v in fields.items() if k != "name" and v is not None}
-    return schema.wrapped("task", data.make_task, name, **fields)
+def _multiple(key: str, value: int, of_key: str, of: int, otherwise: str) -> None:
+    if value % of:
+        raise ConfigError(
+            f"{key}={value} is not a multiple of {of_key}={of}; allowed: multiples of {of}, "
+            + otherwise
+        )
+
+
+def check_settings(key: str, cls: type, section: Any, *, also=()) -> dict[str, Any]:
+    """The section ``key`` of the settings dataclass ``cls`` (keys of its own and of ``also``;
+    its defaults where unset), each value checked by its annotation: a ``Literal`` one of its
+    values, a ``bool`` True or False, a ``float`` a number in [0, 1], an ``int`` >= 1 (>= 0
+    where its default is 0: off)."""
+    values = schema.check_keys(key, section, [*SETTINGS[key], *also])
+    values, hints = {**dataclasses.asdict(cls()), **values}, typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, value, hint = f"{key}.{f.name}", values[f.name], hints[f.name]
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            raise ConfigError(f"{name}={value!r} is unknown; allowed: {typing.get_args(hint)}")
+        if hint is bool and not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be True or False")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if hint is float and not (number and 0 <= value <= 1):
+            raise ConfigError(f"{name}={value!r} must be a number in [0, 1]")
+        if hint is int:
+            _positive(name, value, zero=f.default == 0)
+    return values
 
 
 def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[int, int]]):
-    """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it."""
+    """The level ``levels.<name>`` declares; ``widths()``: the model's ``(d_k, d_v)`` for it.
+    Its periods are ones the inner loops can run: chunks of whole update periods, and whole
+    periods per sequence where a level is carried across sequences or learns span by span."""
     key, rule = f"levels.{name}", section.get("rule")
     recipe = schema.recipe(f"{key}.rule", rule)
     fields = cf.level_fields(rule, recipe)
     # an unset (None) option of another rule, left by a --config...rule override, is no error
-    section = {k: v for k, v in section.items() if k in fields or v is not None}
-    values = schema.check_keys(key, section, fields)
-    _check_period(key, values, task)
-    del values["rule"], values["owner"]
+    values = {k: v for k, v in section.items() if k in fields or v is not None}
+    values = schema.check_keys(key, values, fields)
+    every = _positive(f"{key}.every", values.get("every", 1))
+    for field in (f for f in ("chunk", "truncate") if values.get(f) is not None):
+        value, e_g = _positive(f"{key}.{field}", values[field]), [every * i for i in range(1, 5)]
+        _multiple(f"{key}.{field}", value, f"{key}.every", every, f"e.g. {e_g}")
+    if values.get("persist") == "stream" and task.seq_len % every:
+        raise ConfigError(
+            f"{key}.every={every} does not divide the sequence length {task.seq_len} of the "
+            "task, so a stream carried across sequences would break its update chunks; "
+            f"allowed: {schema.divisors(task.seq_len)}"
+        )
     if "d_k" in fields and (values.get("d_k") is None or values.get("d_v") is None):
         d_k, d_v = widths()
         values["d_k"], values["d_v"] = values.get("d_k") or d_k, values.get("d_v") or d_v
     schema.check_required(key, values, fields)
-    values = {k: v for k, v in values.items() if v is not None}
+    values = {k: v for k, v in values.items() if v is not None and k not in ("rule", "owner")}
     level = schema.wrapped(key, recipe, name, **values)
     if not isinstance(level, Level):
         raise ConfigError(
@@ -109,83 +142,39 @@ def _make_level(name: str, section, task: data.Task, widths: Callable[[], tuple[
     return level
 
 
-def _check_period(key: str, values: Mapping[str, Any], task: data.Task) -> None:
-    """Periods the inner loops can run: chunking is whole update chunks, and levels that see
-    a stream across sequences (or learn period by period) see whole ones per sequence."""
-    every = _positive(f"{key}.every", values.get("every", 1))
-    for field in ("chunk", "truncate"):
-        value = values.get(field)
-        if value is not None and (_positive(f"{key}.{field}", value) % every):
-            raise ConfigError(
-                f"{key}.{field}={value} is not a multiple of {key}.every={every}; allowed: "
-                f"multiples of {every}, e.g. {[every * i for i in range(1, 5)]}"
-            )
-    if values.get("persist") == "stream" and task.seq_len % every:
-        raise ConfigError(
-            f"{key}.every={every} does not divide the sequence length {task.seq_len} of the "
-            f"task, so a stream carried across sequences would break its update chunks; "
-            f"allowed: {schema.divisors(task.seq_len)}"
-        )
-
-
 def _check_train(config, carries_fast: bool) -> dict[str, Any]:
-    train = schema.check_keys("train", config.train, {**TRAIN_DEFAULTS, "mesh": MESH_DEFAULTS})
-    mesh = schema.check_keys(
-        "train.mesh", train.pop("mesh", {}), {**MESH_DEFAULTS, "rules": RULE_DEFAULTS}
-    )
-    mesh["rules"] = schema.check_keys("train.mesh.rules", mesh.get("rules", {}), RULE_DEFAULTS)
-    train = {**TRAIN_DEFAULTS, **train, "mesh": schema.wrapped(None, check_mesh, mesh)}
-    if train["dtype"] not in schema.DTYPES:
-        raise ConfigError(f"train.dtype={train['dtype']!r} is unknown; allowed: {schema.DTYPES}")
-    for name, default in TRAIN_DEFAULTS.items():
-        value = train[name]
-        if isinstance(default, str):
-            continue
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"train.{name}={value!r} must be True or False")
-        if isinstance(default, float) and not (
-            isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1
-        ):
-            raise ConfigError(f"train.{name}={value!r} must be a number in [0, 1]")
-        if isinstance(default, int) and not isinstance(default, bool):
-            _positive(f"train.{name}", value)
-    # An interval of train.steps or more means "at the end only": the loop always logs,
-    # evaluates and checkpoints the last step. (A checkpoint may fall inside a log window:
-    # the unfinished window is saved with it.)
-    k = train["steps_per_call"]
-    for name in ("log_every", "eval_every", "checkpoint_every"):
-        if train[name] < train["steps"] and train[name] % k:
-            raise ConfigError(
-                f"train.{name}={train[name]} is not a multiple of train.steps_per_call={k}; "
-                f"allowed: multiples of {k}, or train.steps={train['steps']} and more (at the "
-                "end only)"
-            )
-    if carries_fast and train["eval_batch_size"] != train["batch_size"]:
+    """The ``train`` section checked (:func:`check_settings`; its ``mesh``:
+    :func:`nested.run.sharding.check_mesh`): an interval of ``train.steps`` or more means at
+    the end only (the loop always logs, evaluates and checkpoints the last step)."""
+    train = check_settings("train", schema.Train, config.train, also=["mesh"])
+    mesh_keys, rules = [*SETTINGS["train.mesh"], "rules"], SETTINGS["train.mesh.rules"]
+    mesh = schema.check_keys("train.mesh", train.get("mesh", {}), mesh_keys)
+    mesh["rules"] = schema.check_keys("train.mesh.rules", mesh.get("rules", {}), rules)
+    train["mesh"] = schema.wrapped(None, check_mesh, mesh)
+    steps, k, rows = train["steps"], train["steps_per_call"], train["batch_size"]
+    for name in (n for n in ("log_every", "eval_every", "checkpoint_every") if train[n] < steps):
+        end = f"or train.steps={steps} and more (at the end only)"
+        _multiple(f"train.{name}", train[name], "train.steps_per_call", k, end)
+    if carries_fast and train["eval_batch_size"] != rows:
         raise ConfigError(
             f"train.eval_batch_size={train['eval_batch_size']} must equal train.batch_size="
-            f"{train['batch_size']}: a level with persist='stream' evaluates from the carried "
-            f"fast state, one per batch row; allowed: {train['batch_size']}"
+            f"{rows}: a level with persist='stream' evaluates from the carried fast state, one "
+            f"per batch row; allowed: {rows}"
+        )
+    if rows % train["microbatches"]:
+        raise ConfigError(
+            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
+            f"{rows}; allowed: {schema.divisors(rows)}"
         )
     return train
 
 
 def plasticity_settings(config) -> dict[str, Any]:
-    """The ``plasticity`` section of ``config`` checked (its defaults where it has none):
-    ``every`` an int >= 0 (0: off) and a multiple of ``train.steps_per_call``, ``form`` one of
-    :data:`nested.plasticity.alignment.FORMS`, ``rows`` an int >= 1."""
-    section = config.get("plasticity") or {}
-    settings = schema.check_keys("plasticity", section, cf.plain(schema.PLASTICITY_DEFAULTS))
-    settings = {**schema.PLASTICITY_DEFAULTS, **settings}
-    every = _positive("plasticity.every", settings["every"], zero=True)
-    _positive("plasticity.rows", settings["rows"])
-    if settings["form"] not in FORMS:
-        raise ConfigError(f"plasticity.form={settings['form']!r} is unknown; allowed: {FORMS}")
+    """The ``plasticity`` section checked (:func:`check_settings`; none: the defaults), its
+    ``every`` a multiple of ``train.steps_per_call``."""
+    settings = check_settings("plasticity", schema.Plasticity, config.get("plasticity") or {})
     k = config.train.get("steps_per_call", 1)
-    if every % k:
-        raise ConfigError(
-            f"plasticity.every={every} is not a multiple of train.steps_per_call={k}; allowed: "
-            f"multiples of {k}, or 0 (off)"
-        )
+    _multiple("plasticity.every", settings["every"], "train.steps_per_call", k, "or 0 (off)")
     return settings
 
 
@@ -196,12 +185,10 @@ def _make_optimizer(config, steps: int):
     lr = hyper.pop("learning_rate")
     if not isinstance(lr, int | float) or lr <= 0:
         raise ConfigError(f"optimizer.learning_rate={lr!r} must be a positive number")
-    schedule, warmup, min_ratio, clip = (hyper.pop(k) for k in schema.SCHEDULE_DEFAULTS)
-    del hyper["name"]
-    if schedule not in schema.SCHEDULES:
-        raise ConfigError(
-            f"optimizer.schedule={schedule!r} is unknown; allowed: {schema.SCHEDULES}"
-        )
+    schedule, warmup, min_ratio, clip = (hyper.pop(f) for f in cf.dataclass_fields(schema.Schedule))
+    allowed = typing.get_args(typing.get_type_hints(schema.Schedule)["schedule"])
+    if schedule not in allowed:
+        raise ConfigError(f"optimizer.schedule={schedule!r} is unknown; allowed: {allowed}")
     if not (isinstance(warmup, int) and 0 <= warmup < steps):
         raise ConfigError(
             f"optimizer.warmup_steps={warmup!r} must be an int in [0, train.steps={steps}); "
@@ -211,6 +198,7 @@ def _make_optimizer(config, steps: int):
         lr_fn = optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     else:
         lr_fn = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * min_ratio)
+    del hyper["name"]
     tx = schema.wrapped("optimizer", OPTIMIZERS[name], learning_rate=lr_fn, **hyper)
     return (optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx), lr_fn
 
@@ -218,9 +206,9 @@ def _make_optimizer(config, steps: int):
 def _model_hyper(config, model, entry, slots, levels) -> dict[str, Any]:
     """The model's keyword arguments: its hyperparameters, its slots' levels, and the layer
     options the rules of its single-level slots ask for (:data:`nested.recipes.LAYER_OPTIONS`:
-    ``rule=falcon`` gives ``key_shift=True``) unless the model sets them."""
-    # Keys of the `also` callables are passed only when set, so a model whose **kwargs go
-    # to another callable (another mixer) never receives keys it does not take.
+    ``rule=falcon`` gives ``key_shift=True``) unless the model sets them. Keys of the ``also``
+    callables are passed only when set, so that a model whose ``**kwargs`` go to another
+    callable (another mixer) never receives keys it does not take."""
     own, fields = set(cf.parameters(entry.build)[0]), schema.model_fields(config.model.name)
     hyper = {
         k: v
@@ -253,52 +241,43 @@ def document_grid(model: Mapping[str, Any], levels: Mapping[str, Level]) -> int:
     return grid
 
 
-SMOKE_STEPS = 10  # the most steps of a train.smoke=True run
-
-
 def as_run(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
-    """The config a run uses: ``config`` itself, or, with ``train.smoke=True``, a copy cut to
-    a short check that the config trains, evaluates and checkpoints end to end: at most
-    :data:`SMOKE_STEPS` steps, a log after every call, one evaluation (of one batch per
-    split) and one checkpoint at the end, ``optimizer.warmup_steps`` at most half the steps.
-    Everything else (model, data, batch size) is the config's."""
+    """The config a run uses: ``config``, or with ``train.smoke=True`` a copy cut to a short
+    check that it trains, evaluates and checkpoints end to end: at most :data:`SMOKE_STEPS`
+    steps, a log after every call, one evaluation (of one batch per split) and one checkpoint
+    at the end, ``optimizer.warmup_steps`` at most half the steps; all else is the config's."""
     if config.train.get("smoke") is not True:
         return config
     config = copy.deepcopy(config)
     train = config.train
     steps = min(_positive("train.steps", train.steps), SMOKE_STEPS)
-    train.update(
-        steps=steps,
-        log_every=_positive("train.steps_per_call", train.steps_per_call),
-        eval_every=steps,
-        checkpoint_every=steps,
-        eval_batches=1,
-    )
+    log_every = _positive("train.steps_per_call", train.steps_per_call)
+    train.update(steps=steps, log_every=log_every, eval_every=steps, checkpoint_every=steps)
+    train.eval_batches = 1
     if isinstance(config.optimizer.get("warmup_steps"), int):
         config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 2)
     return config
 
 
 def build(config: config_dict.ConfigDict) -> Experiment:
-    """Validate ``config`` and build its task, system and program (nothing is traced).
-
-    The experiment holds the config as run (:func:`as_run`). Raises :class:`ConfigError`
-    naming the bad key and its allowed values.
-    """
+    """Check ``config`` and build its task, system and program (nothing is traced); the
+    experiment holds the config as run (:func:`as_run`). A :class:`ConfigError` names the bad
+    key and its allowed values."""
     schema.check_sections(config)
     config = as_run(config)
     _positive("seed", config.seed, zero=True)
-    task = _make_task(config)
+    name = config.task.get("name")
+    task = schema.check_keys("task", config.task, schema.task_fields(name))
+    task = {k: v for k, v in task.items() if k != "name" and v is not None}
+    task = schema.wrapped("task", data.make_task, name, **task)
     entry = schema.lookup("model.name", config.model.get("name"), MODELS)
     fields = schema.model_fields(config.model.name)
     model = schema.check_keys("model", config.model, fields)
     schema.check_required("model", model, fields)
     slots, slot_of = schema.slots(config, model, entry)
     levels = {
-        name: _make_level(
-            name, section, task, functools.partial(entry.widths, slot_of[name], model)
-        )
-        for name, section in config.levels.items()
+        name: _make_level(name, s, task, functools.partial(entry.widths, slot_of[name], model))
+        for name, s in config.levels.items()
     }
     if getattr(task, "align", 1) is None and getattr(task, "documents", False):
         task = dataclasses.replace(task, align=document_grid(model, levels))
@@ -316,28 +295,16 @@ def build(config: config_dict.ConfigDict) -> Experiment:
     hyper = _model_hyper(config, model, entry, slots, levels)
     factory = lambda rngs: entry.build(vocab=task.vocab_size, rngs=rngs, **hyper)
     outer = schema.wrapped(
-        "optimizer",
-        Level,
-        OUTER,
-        memory=factory,
-        objective=objectives.next_token,
-        update=tx,
-        every="step",
+        "optimizer", Level, OUTER, factory, objectives.next_token, update=tx, every="step"
     )
     owners = schema.owners(config, OUTER)
     system = schema.wrapped("levels", NestedSystem, [outer, *levels.values()], owners=owners)
-    compute = None if train["dtype"] == "float32" else train["dtype"]
-    if train["batch_size"] % train["microbatches"]:
-        raise ConfigError(
-            f"train.microbatches={train['microbatches']} does not divide train.batch_size="
-            f"{train['batch_size']}; allowed: {schema.divisors(train['batch_size'])}"
-        )
     program = schema.wrapped(
         "model",
         compile,
         system,
         skip_nonfinite=train["skip_nonfinite"],
-        compute_dtype=compute,
+        compute_dtype=None if train["dtype"] == "float32" else train["dtype"],
         microbatches=train["microbatches"],
         document_grid=getattr(task, "document_grid", 1),
     )

@@ -1,20 +1,12 @@
 """The keys a config section accepts, read off the signatures of the code the section names.
 
-A section's keys are *fields*, ``{key: Field(default, type)}``: the default (:data:`REQUIRED`
-where the parameter has none) and the ConfigDict type, one of :data:`CONFIG_TYPES`. They come
-from
-
-* a callable's keyword parameters of a config type, by annotation (:func:`value_type`) or by
-  default value (:func:`configurable`); a parameter annotated ``Level`` is a *level slot*,
-  a ``str`` key naming a level, and one annotated ``Sequence[Level]`` a ``tuple`` of names
-  (:func:`slot_kind`);
-* a level recipe's ``**level_kwargs``, which pass on the :class:`nested.Level` fields of
-  :data:`LEVEL_FIELDS` (:func:`level_fields`);
-* a task dataclass's fields (:func:`task_fields`).
-
-:func:`section` writes fields into a ConfigDict section holding every key, so a locked config
-(``lock_config=True``) accepts an override of any of them and rejects any other;
-:func:`listing` prints them, ``section.key  type  default`` a line.
+A section's *fields* are ``{key: Field(default, type)}``, the type a ConfigDict type of
+:data:`CONFIG_TYPES`: a callable's keyword parameters of such a type (:func:`configurable`;
+one annotated ``Level`` is a *level slot*, a ``str`` naming a level, ``Sequence[Level]`` a
+``tuple`` of names), the :data:`LEVEL_FIELDS` a recipe's ``**level_kwargs`` pass on, or a
+dataclass's fields (a task, the ``train`` settings). :func:`section` writes them into a
+ConfigDict of every key, typed, so a locked config takes an override of any key and rejects
+any other; :func:`listing` prints them.
 """
 
 from __future__ import annotations
@@ -32,24 +24,16 @@ from nested.core.level import Level
 
 REQUIRED = inspect.Parameter.empty  # the default of a key without one
 CONFIG_TYPES = (int, float, str, bool, tuple)
-# Level fields a recipe passes through **level_kwargs (the recipe fixes the others), with
-# their config types: a fast level's `every` is an int.
+# Level fields a recipe passes on through **level_kwargs (it fixes the others): config types.
 LEVEL_FIELDS = types.MappingProxyType(
-    {
-        "every": int,
-        "persist": str,
-        "read": str,
-        "truncate": int,
-        "first_order": bool,
-        "chunk": int,
-        "accumulate": int,
-    }
+    {"every": int, "persist": str, "read": str, "truncate": int, "first_order": bool}
+    | {"chunk": int, "accumulate": int}
 )
+WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or not
 
 
 class Field(NamedTuple):
-    """A key a section accepts: its default (:data:`REQUIRED` if none) and its config type
-    (None where unknown)."""
+    """A key: its default (:data:`REQUIRED` if none), its config type (None: unknown)."""
 
     default: Any
     type: type | None
@@ -73,16 +57,13 @@ def value_type(hint: Any) -> type | None:
 
 
 def slot_kind(hint: Any) -> type | None:
-    """A level slot's config type: ``str`` for one level (``Level``, ``Level | None``),
-    ``tuple`` for several (``Sequence[Level]``); None if ``hint`` is not a slot."""
-    if hint is Level or (
-        typing.get_origin(hint) in (typing.Union, types.UnionType)
-        and set(typing.get_args(hint)) == {Level, type(None)}
-    ):
+    """A level slot's config type: ``str`` for ``Level`` or ``Level | None``, ``tuple`` for
+    ``Sequence[Level]``; None if ``hint`` is not a slot."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if hint is Level or (union and set(typing.get_args(hint)) == {Level, type(None)}):
         return str
-    if typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,):
-        return tuple
-    return None
+    several = typing.get_origin(hint) is Sequence and typing.get_args(hint) == (Level,)
+    return tuple if several else None
 
 
 def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
@@ -101,13 +82,12 @@ def parameters(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, An
 
 
 def configurable(fn: Callable, skip: Iterable[str] = ()) -> Fields:
-    """The fields of the parameters of ``fn`` a config can set (those of a config type or a
-    level slot), but those in ``skip``."""
+    """The parameters of ``fn`` but ``skip`` a config can set: of a config type (annotated,
+    or unannotated with a default of one), or a level slot."""
     named, hints, _ = parameters(fn)
     fields = {}
     for name, p in named.items():
-        hint = hints.get(name)
-        kind = slot_kind(hint) or value_type(hint)
+        kind = slot_kind(hints.get(name)) or value_type(hints.get(name))
         if kind is None and p.default is not REQUIRED and p.default is not None:
             kind = type(p.default)
         if name not in skip and kind in CONFIG_TYPES:
@@ -120,37 +100,33 @@ def plain(defaults: Mapping[str, Any]) -> Fields:
     return {key: Field(value, type(value)) for key, value in defaults.items()}
 
 
-WIDTHS = ("d_k", "d_v")  # a level recipe's memory widths: ints, annotated or not
+def dataclass_fields(cls: type) -> Fields:
+    """The fields of the dataclass ``cls``, typed by their annotations."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: Field(f.default, value_type(hints[f.name])) for f in dataclasses.fields(cls)}
 
 
 def level_fields(rule: str, recipe: Callable[..., Level]) -> Fields:
-    """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the slower level producing its
-    context; None: the model), the keyword parameters of ``recipe`` but ``name`` (its
-    :data:`WIDTHS` ints even unannotated) and, if it takes ``**kwargs``, the
-    :data:`LEVEL_FIELDS` it does not take itself."""
+    """A ``levels`` entry of ``rule``: ``rule``, ``owner`` (the level producing its context;
+    None: the model), the keyword parameters of ``recipe`` but ``name`` (its :data:`WIDTHS`
+    ints even unannotated), and the :data:`LEVEL_FIELDS` its ``**kwargs`` (if any) pass on."""
     fields = {"rule": Field(rule, str), "owner": Field(None, str)}
-    named = parameters(recipe)[0]
-    fields.update({k: Field(named[k].default, int) for k in WIDTHS if k in named})
-    fields.update(configurable(recipe, skip=("name",)))
-    if parameters(recipe)[2]:
-        for f in dataclasses.fields(Level):
-            if f.name in LEVEL_FIELDS and f.name not in fields:
-                fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
+    named, _, var_kw = parameters(recipe)
+    fields |= {k: Field(named[k].default, int) for k in WIDTHS if k in named}
+    fields |= configurable(recipe, skip=("name",))
+    for f in dataclasses.fields(Level) if var_kw else ():
+        if f.name in LEVEL_FIELDS and f.name not in fields:
+            fields[f.name] = Field(f.default, LEVEL_FIELDS[f.name])
     return fields
 
 
 def task_fields(name: str, cls: type) -> Fields:
-    """The ``task`` section of the task dataclass ``cls`` named ``name``: ``name`` and its
-    fields."""
-    hints = typing.get_type_hints(cls)
-    fields = {"name": Field(name, str)}
-    for f in dataclasses.fields(cls):
-        fields[f.name] = Field(f.default, value_type(hints[f.name]))
-    return fields
+    """The ``task`` section of the task dataclass ``cls`` named ``name``."""
+    return {"name": Field(name, str), **dataclass_fields(cls)}
 
 
-def _model_signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
-    """``(callable, names to skip)`` pairs whose keyword parameters are model keys."""
+def _signatures(build: Callable, also: Sequence[Callable]) -> list[tuple[Callable, set]]:
+    """``(callable, names to skip)`` pairs whose keyword parameters are a model's keys."""
     own = set(parameters(build)[0])
     return [(build, {"vocab", "rngs"})] + [(fn, own | {"rngs"}) for fn in also]
 
@@ -159,54 +135,52 @@ def model_fields(
     name: str, build: Callable, also: Sequence[Callable] = (), *, unset: Iterable[str] = ()
 ) -> Fields:
     """The ``model`` section of the model ``build`` named ``name``: ``name``, the parameters
-    of ``build`` but ``vocab`` and ``rngs``, then those of the ``also`` callables (which receive
-    its ``**kwargs``) it lacks; the keys of ``unset`` default to None."""
+    of ``build`` but ``vocab`` and ``rngs``, then those it lacks of the ``also`` callables
+    (which receive its ``**kwargs``); the keys of ``unset`` default to None."""
     fields = {"name": Field(name, str)}
-    for fn, skip in _model_signatures(build, also):
+    for fn, skip in _signatures(build, also):
         for key, field in configurable(fn, skip).items():
             fields.setdefault(key, field._replace(default=None) if key in unset else field)
     return fields
 
 
 def model_slots(build: Callable, also: Sequence[Callable] = ()) -> dict[str, bool]:
-    """The level slots of a model's section (as :func:`model_fields`): ``{key: takes
-    several levels}``."""
+    """The level slots of a model's section: ``{key: whether it takes several levels}``."""
     slots = {}
-    for fn, skip in _model_signatures(build, also):
+    for fn, skip in _signatures(build, also):
         named, hints, _ = parameters(fn)
         for name in named:
-            kind = slot_kind(hints.get(name))
-            if name not in skip and kind is not None:
+            if name not in skip and (kind := slot_kind(hints.get(name))):
                 slots.setdefault(name, kind is tuple)
     return slots
 
 
 def section(fields: Mapping[str, Field], values: Mapping[str, Any]) -> config_dict.ConfigDict:
-    """A ConfigDict section of every key of ``fields``: its value in ``values``, else its
-    default (lists as tuples), else (no default, or None) a placeholder of its type, which a
-    locked config lets an override of that type set. Raises ``ValueError`` for a key of
-    ``values`` that ``fields`` lacks."""
+    """A ConfigDict of every key of ``fields``, typed: its default (lists as tuples; None or
+    none: a placeholder of its type, which a locked config lets an override of that type set)
+    replaced by its value in ``values``. A ``ValueError`` for a key ``fields`` lacks, a
+    ``TypeError`` (ml_collections') for a value of another type."""
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(fields)}")
     out = config_dict.ConfigDict()
     for name, (default, kind) in fields.items():
-        if name in values:
+        default = tuple(default) if isinstance(default, list) else default
+        unset = default is None or default is REQUIRED
+        out[name] = config_dict.placeholder(kind) if unset else default
+        if name in values:  # typed: ConfigDict's own check raises a TypeError naming the key
             out[name] = values[name]
-        elif default is None or default is REQUIRED:
-            out[name] = config_dict.placeholder(kind)
-        else:
-            out[name] = tuple(default) if isinstance(default, list) else default
     return out
 
 
 def listing(sections: Mapping[str, Mapping[str, Field]]) -> str:
-    """``section.key  type  default`` lines of ``{section: fields}``, keys sorted in each
-    section (``required``: no default)."""
+    """``section.key  type  default`` lines (``required``: no default) of ``{section:
+    fields}``, sorted in each section."""
     lines = []
     for prefix, fields in sections.items():
         for key, (default, kind) in sorted(fields.items()):
-            name, type_name = f"{prefix}.{key}", kind.__name__ if kind else "any"
             value = "required" if default is REQUIRED else repr(default)
-            lines.append(f"{name:<40}  {type_name:<5}  {value}")
+            lines.append(
+                f"{prefix + '.' + key:<40}  {kind.__name__ if kind else 'any':<5}  {value}"
+            )
     return "\n".join(lines) + "\n"
