@@ -44,7 +44,7 @@ import optax
 
 from nested.core import inner, probes
 from nested.core.level import Level, LevelState
-from nested.ops import documents, loops
+from nested.ops import documents, functions, loops
 
 
 class Accumulated(NamedTuple):
@@ -144,11 +144,14 @@ def run(levels: dict[str, Level], model, inputs: jax.Array, fast, batch) -> tupl
         later = jnp.any(starts[:, :, 1:], axis=2)
         later = jnp.concatenate([jnp.zeros_like(later[:, :1]), later[:, :-1]], axis=1)
         spans["first"], spans["later"] = jnp.moveaxis(starts[:, :, 0], 1, 0), later.T
-        fresh_fast = model.initial_fast(B)
-        fresh = jax.tree.flatten(fresh_fast, is_leaf=is_state)[0]
+        # One row of the initial state, broadcast inside each span: a restart reads one row,
+        # and the transpose sums a span's restarting rows into it (not a (B, ...) carry).
+        initial_row = model.initial_fast(1)
 
     def step(fast, span, packed: bool):
         if with_ids:
+            fresh_fast = jax.tree.map(lambda a: functions.broadcast_rows(a[0], B), initial_row)
+            fresh = jax.tree.flatten(fresh_fast, is_leaf=is_state)[0]
             fast = inner.select_rows(span["first"], fresh_fast, fast)
         leaves, treedef = jax.tree.flatten(fast, is_leaf=is_state)
         index = [i for i, x in enumerate(leaves) if isinstance(x, LevelState) and x.level in levels]

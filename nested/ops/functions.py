@@ -16,17 +16,24 @@ import jax
 import jax.numpy as jnp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def broadcast_rows(x: jax.Array, n: int) -> jax.Array:
     """``x (...) -> (n, ...)``, every row ``x``; its transpose sums the cotangent's rows. On a
     CPU the sum is a product with a vector of ones: XLA's CPU reduction over a leading axis
     of more than about 32K kept elements reads with the row stride and runs 20-80x slower
-    (``(16, 65536)``: 9.6 ms against 0.11 ms, float32, jax 0.10)."""
+    (``(16, 65536)``: 9.6 ms against 0.11 ms, float32, jax 0.10). Integer arrays (no
+    cotangent) are broadcast as they are."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.broadcast_to(x, (n, *x.shape))
+    return _broadcast_rows(x, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_rows(x, n):
     return jnp.broadcast_to(x, (n, *x.shape))
 
 
 def _broadcast_rows_fwd(x, n):
-    return broadcast_rows(x, n), None
+    return _broadcast_rows(x, n), None
 
 
 def _broadcast_rows_bwd(n, _, cotangent):
@@ -38,7 +45,7 @@ def _broadcast_rows_bwd(n, _, cotangent):
     return (total.reshape(cotangent.shape[1:]),)
 
 
-broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
+_broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
