@@ -18,7 +18,7 @@ from nested.run import config as nc
 from nested.run import loading, train
 
 sys.path.insert(0, str(tiny_configs.ROOT / "experiments"))
-from studies.companion import baselines  # noqa: E402
+from studies.companion import baselines, study  # noqa: E402
 
 TASK = data.CompanionTask(num_features=8, num_labels=4, events=4, sessions=2, text=True)
 
@@ -164,3 +164,18 @@ def test_text_round_trip_through_the_server_process(workdir, tmp_path):
         assert client.tokens("t") == 32  # nothing written by the refused requests
     finally:
         served.stop(signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_the_study_runs_on_text(workdir):
+    trained = loading.load_trained(workdir)
+    task = trained.experiment.task
+    settings = study.Settings(
+        agents=4, queries=4, latency_agents=4, latency_runs=1, tune_agents=4, variants=()
+    )
+    result = study.run(trained, settings)
+    assert result["task"]["text"] and set(result["sessions"]) == set(study.METHODS)
+    assert result["bytes"]["methods"]["logistic"] == 4 * 4 * (task.vocab_size + 1)  # bag of tokens
+    summary = study.format_summary(result)
+    assert "text task: companion - knn (retrieval by the frozen model's embeddings" in summary
+    assert "- logistic (bag of tokens)" in summary
