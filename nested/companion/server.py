@@ -3,7 +3,8 @@
 ``python experiments/serve.py --workdir runs/companion --port 8080`` serves a trained run;
 OpenAPI docs at ``/docs``. Endpoints (JSON unless said otherwise):
 
-* ``GET /health``: status, agents stored, the model's fingerprint and vocabulary;
+* ``GET /health``: status, agents stored, the model's fingerprint, vocabulary and tokenizer
+  (its kind, or null: token ids only);
 * ``POST /agents/{agent_id}/observe`` ``{"tokens": [...]}`` or ``{"text": "..."}``: learn
   from them;
 * ``POST /agents/{agent_id}/recall`` ``{"queries": [[...], ...]}`` or ``{"text": ["...",
@@ -81,7 +82,7 @@ class Observation(BaseModel):
     tokens: list[StrictInt] | None = Field(
         None, min_length=1, max_length=MAX_TOKENS, description="token ids (or text)"
     )
-    text: str | None = Field(None, min_length=1, description="text to encode (or tokens)")
+    text: StrictStr | None = Field(None, min_length=1, description="text to encode (or tokens)")
 
 
 class Queries(BaseModel):
@@ -98,10 +99,10 @@ def ids_or_text(body: BaseModel, ids: str) -> tuple[str, Any]:
     carries; a :class:`CompanionError` when it carries both or neither."""
     given = [f for f in (ids, "text") if getattr(body, f) is not None]
     if len(given) != 1:
-        found = "both" if given else "neither"
+        start = f"{ids}: Field required; give" if not given else "give"
         raise CompanionError(
-            f"{ids}: Field required; give either {ids!r} (token ids) or 'text' (encoded with "
-            f"the companion's tokenizer), not {found}"
+            f"{start} either {ids!r} (token ids) or 'text' (encoded with the companion's "
+            f"tokenizer){', not both' if given else ''}"
         )
     return given[0], getattr(body, given[0])
 
