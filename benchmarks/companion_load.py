@@ -49,7 +49,7 @@ def main() -> None:
         observations[name] = [
             task.encode(*task.sequence(agent, 0, rng)).tolist() for _ in range(args.rounds)
         ]
-    queries = [(1 + task.draw_inputs(rng, 8)).tolist() for _ in range(args.rounds)]
+    queries = [task.query_tokens(task.draw_inputs(rng, 8)).tolist() for _ in range(args.rounds)]
     with tempfile.TemporaryDirectory() as scratch:
         server = ServerProcess(
             args.workdir,

@@ -11,7 +11,11 @@ deployment serves. ``python experiments/serve.py --workdir
 runs/companion`` serves the trained model, one learning memory per agent; RESULTS.md ("Agent
 companion") compares it with retrieval memories on held-out agents.
 
-Variants: ``configs/companion.py:<rule>`` for any rule of ``nested.recipes.RULES``.
+Variants: ``configs/companion.py:<rule>`` for any rule of ``nested.recipes.RULES``;
+``configs/companion.py:text``: the same agents, each event a sentence ("the heavy round
+wooden box is red .", ``task.text=True``), in the task's own word-level tokens
+(``--config.task.tokenizer=<tokenizer.json>``: a corpus tokenizer giving each word one token);
+``serve.py`` then takes and answers text.
 """
 
 from ml_collections import config_dict
@@ -20,10 +24,11 @@ from nested.run import config as nc
 
 
 def get_config(arg=None):
-    rule = nc.variant(arg)
+    text = arg == "text"
+    rule = nc.variant(None if text else arg, others=("text",))
     config = config_dict.ConfigDict()
     config.seed = 0
-    config.task = nc.task_config("companion")
+    config.task = nc.task_config("companion", text=text)
     config.model = nc.model_config(
         "memory_lm",
         level="memory",  # the mixer's fast level: levels.memory

@@ -6,7 +6,10 @@ with retrieval memories (embedding keys and raw events) and online learners of t
 hypothesis class (logistic regression, its learning rate tuned on training agents, and vote
 counts), all at equal bytes, an unbounded store, no memory and a per-agent offline oracle,
 session by session; then on held-out agents whose rule differs in kind (``--variants``: 2 or 4
-features per input, one feature deciding alone, answers of feature pairs). Writes
+features per input, one feature deciding alone, answers of feature pairs). A run of the text
+task (``configs/companion.py:text``) is studied on its sentences: its "text task" line holds the
+companion against retrieval by the frozen model's embeddings and logistic regression on the
+bag of tokens. Writes
 ``DIR/companion_study.json`` and prints the headline figures. Everything is in
 ``studies.companion`` (``experiments/studies/companion``).
 """

@@ -4,10 +4,11 @@ Loads the latest checkpoint of ``--workdir`` (``--step``: that one; slow weights
 serves one learning fast-weight memory per agent over HTTP on ``--host``:``--port`` (default
 loopback), the states in the SQLite database ``--store`` (default ``DIR/companion.sqlite``); with
 ``--api_key_file`` every request but ``/health`` and the docs needs ``Authorization: Bearer
-<the file's key>``. Before serving, every bucket size a request can make is compiled, cheapest
-first, for at most ``--warm_s`` seconds; the startup line says how many and how long. A store
-that is damaged where opening it reads exits with one line. OpenAPI docs at ``/docs``.
-Everything is in ``nested.companion``.
+<the file's key>``. Requests may carry text instead of token ids, encoded with
+``--tokenizer`` (default the run's own tokenizer). Before serving, every bucket size a request
+can make is compiled, cheapest first, for at most ``--warm_s`` seconds; the startup line says
+how many and how long. A store that is damaged where opening it reads exits with one line.
+OpenAPI docs at ``/docs``. Everything is in ``nested.companion``.
 """
 
 import socket
@@ -46,6 +47,13 @@ _STEP = flags.DEFINE_integer(
     "Serve the checkpoint of this step (default: the latest), e.g. the one that wrote the "
     "stored agents; the steps a store needs are kept from rotation by more training.",
 )
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer",
+    None,
+    "What text requests are encoded with: bytes, or the path of a tokenizer.json (default: the "
+    "run's own: its corpus's tokenizer.json, or the text companion task's words; none: token "
+    "ids only).",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -79,8 +87,11 @@ def main(argv):
                 step=_STEP.value,
                 max_batch=_MAX_BATCH.value,
                 other_steps=_OTHER_STEPS.value,
+                tokenizer=_TOKENIZER.value,
             )
             notes = companion.other_writers()
+            if companion.tokenizer_error is not None:
+                notes.append(f"no tokenizer ({companion.tokenizer_error}): token ids only")
         except engine.CompanionError as error:
             sys.exit(f"error: {error}")
         except sqlite3.DatabaseError as error:

@@ -351,6 +351,7 @@ def test_serving_on_a_port_in_use_fails_at_once_in_one_line(workdir):
 def test_health_reports_the_fingerprint_as_an_object(server):
     status, body = server.request("GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["vocab"] == 13
+    assert body["tokenizer"] is None  # an id task: token ids only
     assert set(body["fingerprint"]) == {"architecture", "step"}
     assert len(body["fingerprint"]["architecture"]) == 16
     assert server.started.endswith(" bucket sizes in 0.0 s)")  # --warm_s=0: none warmed

@@ -70,11 +70,16 @@ class Client:
     def health(self) -> dict:
         return self._ok("GET", "/health")
 
-    def observe(self, agent_id: str, tokens: list[int]) -> int:
-        return self._ok("POST", f"/agents/{agent_id}/observe", {"tokens": tokens})["tokens"]
+    def observe(self, agent_id: str, tokens: list[int] | str) -> int:
+        """Token ids, or text (sent as ``text``); returns the agent's tokens observed."""
+        body = {"text": tokens} if isinstance(tokens, str) else {"tokens": tokens}
+        return self._ok("POST", f"/agents/{agent_id}/observe", body)["tokens"]
 
-    def recall(self, agent_id: str, queries: list[list[int]]) -> dict:
-        return self._ok("POST", f"/agents/{agent_id}/recall", {"queries": queries})
+    def recall(self, agent_id: str, queries: list[list[int]] | list[str]) -> dict:
+        """Token-id queries, or text queries (all strings: sent as ``text``)."""
+        texts = bool(queries) and all(isinstance(q, str) for q in queries)
+        body = {"text": queries} if texts else {"queries": queries}
+        return self._ok("POST", f"/agents/{agent_id}/recall", body)
 
     def consolidate(self, agent_id: str) -> int:
         return self._ok("POST", f"/agents/{agent_id}/consolidate")["tokens"]
@@ -104,7 +109,7 @@ class ServerProcess:
     a damaged store answers 503); ``client`` talks to it, ``started`` is the line the server
     printed when it began serving (how long warming took), ``notes`` the lines before it.
     ``warm_s``: the server's ``--warm_s`` (0 here: a test starts many servers and needs no
-    warm buckets); ``step``: its ``--step``."""
+    warm buckets); ``step``: its ``--step``; ``tokenizer``: its ``--tokenizer``."""
 
     def __init__(
         self,
@@ -115,6 +120,7 @@ class ServerProcess:
         max_batch: int = 256,
         warm_s: float = 0.0,
         step: int | None = None,
+        tokenizer: str | None = None,
         timeout: float = 180.0,
     ):
         self.port, self.store = free_port(), Path(store)
@@ -131,6 +137,8 @@ class ServerProcess:
             command.append(f"--api_key_file={api_key_file}")
         if step is not None:
             command.append(f"--step={step}")
+        if tokenizer is not None:
+            command.append(f"--tokenizer={tokenizer}")
         self.notes: list[str] = []
         key = None if api_key_file is None else Path(api_key_file).read_text().strip()
         self.client = Client(f"http://127.0.0.1:{self.port}", key)

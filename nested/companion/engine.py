@@ -15,6 +15,14 @@ of that model (a few kilobytes), kept in a :mod:`~nested.companion.store`. Opera
   blocks) apply what they accumulated now;
 * ``forget``, ``export_agent`` / ``import_agent`` (flax msgpack with the model's fingerprint).
 
+**Text.** Where the companion has a tokenizer (``tokenizer``: ``"bytes"``, the path of a
+``tokenizer.json``, or by default the run's own: its corpus's ``tokenizer.json``
+(``nested.data.TokensTask``) or the text companion task's words (``CompanionTask(text=True)``)),
+an observation or a query may be a string instead of token ids: it is encoded (without the
+tokenizer's special tokens) and held to the same limits, counted in tokens; and a recall also
+answers each predicted token decoded (``"text"``). Text given to a companion without a
+tokenizer is refused (422).
+
 Only finite states are served. An import is checked in full before anything is written: the
 file's structure, every array's shape and dtype equal to the model's, finite values, a token
 count that is an ``int`` in ``[0, 2**63)`` (SQLite's range); anything else is a 422 naming what
@@ -61,6 +69,7 @@ from flax import serialization
 from nested.companion.store import DamagedState, Record, SQLiteStore, Store
 from nested.core import inner, outer_loss, probes
 from nested.core.level import LevelState
+from nested.data import corpus
 from nested.run.sampling import stream_period
 
 AGENT_ID = "letters, digits, '_' and '-', 1 to 128 characters"
@@ -166,7 +175,8 @@ class Companion:
     """A frozen trained model and a store of per-agent fast states (module docstring).
 
     ``trained``: a :class:`nested.run.loading.Trained`; ``store``: a :class:`Store`;
-    ``max_batch``: the most agents in one call (larger requests are split).
+    ``max_batch``: the most agents in one call (larger requests are split); ``tokenizer``:
+    ``"bytes"``, a ``tokenizer.json`` path, or None for the run's own (:func:`run_tokenizer`).
     """
 
     def __init__(
@@ -177,11 +187,20 @@ class Companion:
         max_batch: int = 256,
         top_k: int = 5,
         other_steps: str = "serve",
+        tokenizer: str | None = None,
     ):
         if other_steps not in OTHER_STEPS:
             raise CompanionError(f"other_steps={other_steps!r}: use one of {OTHER_STEPS}")
         self.other_steps = other_steps
         program = trained.program
+        # The run's own tokenizer may be gone (a corpus moved): then ids only, and text says why.
+        self.tokenizer, self.tokenizer_error = None, None
+        try:
+            self.tokenizer = run_tokenizer(trained.experiment.task, program.vocab, tokenizer)
+        except CompanionError as error:
+            if tokenizer is not None:
+                raise
+            self.tokenizer_error = str(error)
         self.carried = sorted(
             level.name for level in program.system.fast_levels if level.persist == "stream"
         )
@@ -394,8 +413,12 @@ class Companion:
     # -- the operations ----------------------------------------------------------------------
 
     def check_tokens(self, tokens: Any, field: str, *, limit: int, multiple: int = 1) -> np.ndarray:
-        """``tokens`` as int32 ``(n,)``: a non-empty list of ints in ``[0, vocab)``, at most
-        ``limit``, a multiple of ``multiple`` long; else :class:`CompanionError`."""
+        """``tokens`` as int32 ``(n,)``: a non-empty list of ints in ``[0, vocab)``, or a
+        string that the tokenizer encodes to one, at most ``limit``, a multiple of
+        ``multiple`` long; else :class:`CompanionError`."""
+        what = "tokens"
+        if isinstance(tokens, str):
+            tokens, what = self.encode(tokens, field), "tokens (the text's encoding)"
         try:
             array = np.asarray(tokens)
         except (TypeError, ValueError) as error:
@@ -403,10 +426,10 @@ class Companion:
         if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
             raise CompanionError(f"{field}: must be a non-empty list of integer token ids")
         if array.size > limit:
-            raise CompanionError(f"{field}: {array.size} tokens, more than the limit {limit}")
+            raise CompanionError(f"{field}: {array.size} {what}, more than the limit {limit}")
         if array.size % multiple:
             raise CompanionError(
-                f"{field}: {array.size} tokens; this model updates every {multiple} tokens, so "
+                f"{field}: {array.size} {what}; this model updates every {multiple} tokens, so "
                 f"an observation is a multiple of {multiple} tokens"
             )
         low, high = int(array.min()), int(array.max())
@@ -417,11 +440,32 @@ class Companion:
             )
         return array.astype(np.int32)
 
-    def observe(self, requests: Mapping[str, Sequence[int]]) -> dict[str, dict]:
-        """Learn from each agent's ``tokens``; returns per agent ``{"tokens": total observed}``
-        or ``{"error": message}`` (a damaged or foreign state: that agent only). All the
-        states are written in one transaction. Raises :class:`CompanionError` for a bad
-        request (nothing written)."""
+    def encode(self, text: str, field: str) -> np.ndarray:
+        """The token ids of ``text`` (the tokenizer's, without its special tokens); a
+        :class:`CompanionError` naming ``field`` without a tokenizer, for text of no token or
+        with words the tokenizer does not know (its unknown token: never served)."""
+        if self.tokenizer is None:
+            raise CompanionError(
+                f"{field}: text was given, but this companion has no tokenizer "
+                f"({self.tokenizer_error or 'its run has none'}); serve with --tokenizer=bytes or "
+                f"--tokenizer=<tokenizer.json>, or send token ids"
+            )
+        ids = self.tokenizer.encode(text)
+        if ids.size == 0:
+            raise CompanionError(f"{field}: the text encodes to no tokens; send some text")
+        unknown = self.tokenizer.unknown(text)
+        if unknown:
+            raise CompanionError(
+                f"{field}: the tokenizer does not know {sorted(set(unknown))[:5]!r:.200}; use "
+                f"words of its vocabulary"
+            )
+        return ids
+
+    def observe(self, requests: Mapping[str, Sequence[int] | str]) -> dict[str, dict]:
+        """Learn from each agent's ``tokens`` (ids, or text to encode); returns per agent
+        ``{"tokens": total observed}`` or ``{"error": message}`` (a damaged or foreign state:
+        that agent only). All the states are written in one transaction. Raises
+        :class:`CompanionError` for a bad request (nothing written)."""
         checked = {
             check_agent_id(a): self.check_tokens(
                 t, f"agent {a!r}: tokens", limit=MAX_TOKENS, multiple=self.period
@@ -493,10 +537,11 @@ class Companion:
         new = jax.device_get(self._observe(self.params, slab, tokens, targets, mask))
         return {a: jax.tree.map(lambda x, i=i: x[i : i + 1], new) for i, a in enumerate(agents)}
 
-    def recall(self, requests: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, dict]:
-        """For each agent, each query's ``top_k`` next tokens with their probabilities and the
-        memories' read-out at its last token, from the agent's state (nothing written):
-        ``{"tokens": (Q, k), "probs": (Q, k), "readout": (Q, n)}`` as lists, or
+    def recall(self, requests: Mapping[str, Sequence[Sequence[int] | str]]) -> dict[str, dict]:
+        """For each agent, each query's (ids, or text to encode) ``top_k`` next tokens with
+        their probabilities and the memories' read-out at its last token, from the agent's
+        state (nothing written): ``{"tokens": (Q, k), "probs": (Q, k), "readout": (Q, n)}`` as
+        lists, and with a tokenizer ``"text"`` ``(Q, k)``, each token decoded; or
         ``{"error": message}``."""
         checked = {}
         for a, queries in requests.items():
@@ -524,6 +569,9 @@ class Companion:
             out[a] = {
                 key: [r[key].tolist() for r in mine] for key in ("tokens", "probs", "readout")
             }
+            if self.tokenizer is not None:
+                decode = self.tokenizer.decode
+                out[a]["text"] = [[decode([t]) for t in row] for row in out[a]["tokens"]]
         return out
 
     def _recall_rows(self, rows, states) -> list[dict]:
@@ -642,6 +690,30 @@ class Companion:
 
 
 OTHER_STEPS = ("serve", "refuse")
+
+
+def run_tokenizer(task, vocab: int, given: str | None = None) -> corpus.Tokenizer | None:
+    """The tokenizer a companion takes text with: ``given`` ``"bytes"`` or the path of a
+    ``tokenizer.json``; None: the run's ``task``'s own (``task.text_tokenizer()``: a prepared
+    corpus's, a text companion task's), or None when it has none. A :class:`CompanionError`
+    names ``--tokenizer`` when it cannot be read or its ids exceed the model's ``vocab``."""
+    where = f"--tokenizer={given}" if given else f"the run's task ({task.name}) tokenizer"
+    try:
+        if given == "bytes":
+            tokenizer = corpus.bytes_tokenizer()
+        elif given is not None:
+            tokenizer = corpus.load_tokenizer(given)
+        else:
+            own = getattr(task, "text_tokenizer", None)
+            tokenizer = None if own is None else own()
+    except ValueError as error:  # corpus.PrepareError (naming --tokenizer), a task's error
+        raise CompanionError(str(error) if given else f"{where}: {error}") from None
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        raise CompanionError(
+            f"{where}: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
+            f"({vocab}); pass the tokenizer the run trained with"
+        )
+    return tokenizer
 
 
 def _fingerprint(text: str) -> dict:

@@ -3,9 +3,12 @@
 ``python experiments/serve.py --workdir runs/companion --port 8080`` serves a trained run;
 OpenAPI docs at ``/docs``. Endpoints (JSON unless said otherwise):
 
-* ``GET /health``: status, agents stored, the model's fingerprint and vocabulary;
-* ``POST /agents/{agent_id}/observe`` ``{"tokens": [...]}``: learn from them;
-* ``POST /agents/{agent_id}/recall`` ``{"queries": [[...], ...]}``: predictions and read-outs;
+* ``GET /health``: status, agents stored, the model's fingerprint, vocabulary and tokenizer
+  (its kind, or null: token ids only);
+* ``POST /agents/{agent_id}/observe`` ``{"tokens": [...]}`` or ``{"text": "..."}``: learn
+  from them;
+* ``POST /agents/{agent_id}/recall`` ``{"queries": [[...], ...]}`` or ``{"text": ["...",
+  ...]}``: predictions and read-outs (and, with a tokenizer, the predictions decoded, ``text``);
 * ``POST /agents/{agent_id}/consolidate``: levels consolidating over a period apply now;
 * ``GET /agents/{agent_id}``: tokens observed; ``DELETE /agents/{agent_id}``: forget;
 * ``GET /agents/{agent_id}/export`` (bytes) and ``PUT /agents/{agent_id}/import`` (bytes).
@@ -18,8 +21,9 @@ are no redirects), and a body announced over :data:`MAX_BODY` bytes (413). It th
 body counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and
 refuses it (413) as soon as the count passes the limit. Limits: :data:`MAX_BODY` bytes a body,
 ``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES`` queries of ``MAX_QUERY_TOKENS`` tokens a
-recall (:mod:`~nested.companion.engine`). Token ids are strict JSON integers (``1.0``, ``1e1``,
-``"1"`` and ``true`` are not).
+recall (:mod:`~nested.companion.engine`), text counted in the tokens it encodes to. Token ids
+are strict JSON integers (``1.0``, ``1e1``, ``"1"`` and ``true`` are not); a request carries
+ids or text, not both (422), and text needs the companion's tokenizer (422 without one).
 
 Model calls are queued and run by one worker thread: observes and recalls in **batches**
 (consecutive requests of one kind, each agent at most once per batch: one jitted call for many
@@ -55,7 +59,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
 from nested.companion.engine import (
@@ -75,13 +79,32 @@ AGENT_PATH = re.compile(r"/agents/(?P<id>.*?)(?:/(?:observe|recall|consolidate|e
 
 
 class Observation(BaseModel):
-    tokens: list[StrictInt] = Field(min_length=1, max_length=MAX_TOKENS, description="token ids")
+    tokens: list[StrictInt] | None = Field(
+        None, min_length=1, max_length=MAX_TOKENS, description="token ids (or text)"
+    )
+    text: StrictStr | None = Field(None, min_length=1, description="text to encode (or tokens)")
 
 
 class Queries(BaseModel):
-    queries: list[list[StrictInt]] = Field(
-        min_length=1, max_length=MAX_QUERIES, description="token-id prefixes to continue"
+    queries: list[list[StrictInt]] | None = Field(
+        None, min_length=1, max_length=MAX_QUERIES, description="token-id prefixes (or text)"
     )
+    text: list[StrictStr] | None = Field(
+        None, min_length=1, max_length=MAX_QUERIES, description="text prefixes (or queries)"
+    )
+
+
+def ids_or_text(body: BaseModel, ids: str) -> tuple[str, Any]:
+    """``(field, value)`` of the one of ``ids`` (token ids) and ``text`` that ``body``
+    carries; a :class:`CompanionError` when it carries both or neither."""
+    given = [f for f in (ids, "text") if getattr(body, f) is not None]
+    if len(given) != 1:
+        start = f"{ids}: Field required; give" if not given else "give"
+        raise CompanionError(
+            f"{start} either {ids!r} (token ids) or 'text' (encoded with the companion's "
+            f"tokenizer){', not both' if given else ''}"
+        )
+    return given[0], getattr(body, given[0])
 
 
 class Batcher:
@@ -300,18 +323,23 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
             "agents": companion.store.count(),
             "fingerprint": json.loads(companion.fingerprint),
             "vocab": companion.vocab,
+            "tokenizer": None if companion.tokenizer is None else companion.tokenizer.kind,
         }
 
     @app.post("/agents/{agent_id}/observe")
     async def observe(agent_id: str, body: Observation):
-        companion.check_tokens(body.tokens, "tokens", limit=MAX_TOKENS, multiple=companion.period)
-        return await run("observe", agent_id, body.tokens)
+        field, given = ids_or_text(body, "tokens")
+        tokens = companion.check_tokens(given, field, limit=MAX_TOKENS, multiple=companion.period)
+        return await run("observe", agent_id, tokens.tolist())
 
     @app.post("/agents/{agent_id}/recall")
     async def recall(agent_id: str, body: Queries):
-        for i, query in enumerate(body.queries):
-            companion.check_tokens(query, f"queries.{i}", limit=MAX_QUERY_TOKENS)
-        return await run("recall", agent_id, body.queries)
+        field, given = ids_or_text(body, "queries")
+        queries = [
+            companion.check_tokens(query, f"{field}.{i}", limit=MAX_QUERY_TOKENS).tolist()
+            for i, query in enumerate(given)
+        ]
+        return await run("recall", agent_id, queries)
 
     @app.post("/agents/{agent_id}/consolidate")
     async def consolidate(agent_id: str):

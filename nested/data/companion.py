@@ -30,17 +30,46 @@ from (seed, r, a) alone. Eval split ``new_agent``: a held-out agent's first sequ
 ``reset`` set). Held-out agents for a study are this task with another ``seed``;
 :meth:`agent` gives one agent's rule, facts and events for the companion study
 (``experiments/studies/companion``) and its baselines.
+
+**Text** (``text=True``): the same agents and rules, each event a short sentence, ``the
+<f_1> .. <f_k> box is <label> .``, feature ``f`` the word ``FEATURE_WORDS[f]`` and label ``c``
+the colour ``LABEL_WORDS[c]`` ("the heavy round wooden box is red ."); an event is ``k + 5``
+tokens, scored at ``is`` (predict the colour). Its tokens come from a tokenizer in which every
+word of the task is one token: ``tokenizer=None`` builds the task's own word-level tokenizer
+(``tokenizers``' ``WordLevel`` over :data:`SPECIAL`, the template words, the first F feature
+and L label words, in that order: ``<|endoftext|>`` is 0), or ``tokenizer`` is the path of a
+``tokenizer.json`` (e.g. the corpus tokenizer ``experiments/prepare.py`` saved) that gives each
+word one token, checked when the task is built. :meth:`text_tokenizer` gives it to the
+companion service, which then takes and answers text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
+from nested.data import corpus
 from nested.data.batch import Batch, check_request, field_error, make_batch, render_example, rng_for
+
+# The text variant's words (module docstring): "the <features> box is <label> ."
+SPECIAL = (corpus.BPE_EOS, "[UNK]")
+TEMPLATE = ("the", "box", "is", ".")
+FEATURE_WORDS = (
+    "heavy", "light", "round", "square", "wooden", "metal", "glass", "paper",
+    "small", "large", "old", "new", "soft", "hard", "warm", "cold",
+    "smooth", "rough", "shiny", "dull", "tall", "flat", "thin", "thick",
+    "loud", "quiet", "fast", "slow", "sweet", "sour", "wet", "dry",
+    "empty", "full", "clean", "dirty", "bright", "dark", "cheap", "rare",
+    "plain", "fancy", "broken", "sealed", "striped", "dotted", "narrow", "wide",
+)  # fmt: skip
+LABEL_WORDS = (
+    "red", "blue", "green", "yellow", "purple", "orange", "white", "black",
+    "grey", "pink", "brown", "cyan", "gold", "silver", "violet", "teal",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +99,9 @@ class CompanionTask:
       drift_fraction: share of the features that vote for another label after the drift.
       rare_facts: inputs with a rule-breaking answer, shown at the agent's start.
       seed: base seed; agents and batches depend on (seed, row, agent) and (seed, split, i).
+      text: events as sentences (module docstring); F <= 48 and L <= 16 words.
+      tokenizer: with ``text``, the path of a ``tokenizer.json`` giving each of the task's
+        words one token; None: the task's own word-level tokenizer.
     """
 
     num_features: int = 32
@@ -82,6 +114,8 @@ class CompanionTask:
     drift_fraction: float = 0.5
     rare_facts: int = 2
     seed: int = 0
+    text: bool = False
+    tokenizer: str | None = None
 
     name: ClassVar[str] = "companion"
     eval_splits: ClassVar[tuple[str, ...]] = ("new_agent",)
@@ -109,15 +143,119 @@ class CompanionTask:
             raise field_error(self.name, "rare_facts", self.rare_facts, "use <= events")
         if not 0.0 <= self.drift_fraction <= 1.0:
             raise field_error(self.name, "drift_fraction", self.drift_fraction, "use 0 <= f <= 1")
+        if not isinstance(self.text, bool):
+            raise field_error(self.name, "text", self.text, "use True or False")
+        if self.text:
+            for field, words in (("num_features", FEATURE_WORDS), ("num_labels", LABEL_WORDS)):
+                if getattr(self, field) > len(words):
+                    raise field_error(
+                        self.name, field, getattr(self, field), f"use <= {len(words)} with text"
+                    )
+            self._ids  # noqa: B018 - a tokenizer that does not fit fails here, before training
+        elif self.tokenizer is not None:
+            raise field_error(self.name, "tokenizer", self.tokenizer, "set text=True to use one")
 
     @property
     def vocab_size(self) -> int:
-        """1 + F + L: token 0 is unused."""
+        """1 + F + L (token 0 is unused); with ``text``, the tokenizer's vocabulary."""
+        if self.text:
+            return self.text_tokenizer().vocab_size
         return 1 + self.num_features + self.num_labels
 
     @property
+    def event_length(self) -> int:
+        """Tokens of an event: ``k + 1``; with ``text``, ``k + 5``."""
+        return self.features_per_input + (5 if self.text else 1)
+
+    @property
     def seq_len(self) -> int:
-        return self.events * (self.features_per_input + 1)
+        return self.events * self.event_length
+
+    @functools.cache  # noqa: B019 - frozen dataclass: the cache lives as long as the task
+    def text_tokenizer(self) -> corpus.Tokenizer | None:
+        """The tokenizer of a ``text`` task (module docstring); None without ``text``."""
+        if not self.text:
+            return None
+        if self.tokenizer is not None:
+            if not Path(self.tokenizer).is_file():
+                raise field_error(
+                    self.name,
+                    "tokenizer",
+                    self.tokenizer,
+                    "no such file; give the path of a tokenizer.json, or None for the task's own",
+                )
+            try:
+                return corpus.load_tokenizer(self.tokenizer)
+            except corpus.PrepareError as error:
+                raise field_error(self.name, "tokenizer", self.tokenizer, str(error)) from None
+        from tokenizers import Tokenizer as HF
+        from tokenizers import models, pre_tokenizers
+
+        words = SPECIAL + TEMPLATE + self.words
+        hf = HF(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL[1]))
+        hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return corpus.Tokenizer("words", len(words), 0, corpus.encode_with(hf), hf)
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The feature words, then the label words, of a ``text`` task."""
+        return FEATURE_WORDS[: self.num_features] + LABEL_WORDS[: self.num_labels]
+
+    def sentence(self, inputs, answer) -> str:
+        """The text of one event: ``inputs`` ``(k,)`` feature ids, ``answer`` a label."""
+        features = " ".join(FEATURE_WORDS[f] for f in inputs)
+        return f"the {features} box is {LABEL_WORDS[answer]} ."
+
+    @functools.cached_property
+    def _ids(self) -> dict[str, np.ndarray]:
+        """Token ids: ``features`` ``(F,)``, ``labels`` ``(L,)``, ``template`` (the, box, is,
+        .); a text tokenizer that does not give every word one token is refused."""
+        F, L = self.num_features, self.num_labels
+        if not self.text:
+            return {"features": 1 + np.arange(F), "labels": 1 + F + np.arange(L)}
+        tok = self.text_tokenizer()
+        ids = {}
+        for word in TEMPLATE + self.words:
+            found = tok.encode(word)
+            if len(found) != 1:
+                raise field_error(
+                    self.name,
+                    "tokenizer",
+                    self.tokenizer,
+                    f"it encodes the word {word!r} as {len(found)} tokens; the text task needs "
+                    f"one token a word (leave tokenizer=None for the task's own)",
+                )
+            ids[word] = int(found[0])
+        out = {
+            "features": np.array([ids[w] for w in FEATURE_WORDS[:F]]),
+            "labels": np.array([ids[w] for w in LABEL_WORDS[:L]]),
+            "template": np.array([ids[w] for w in TEMPLATE]),
+        }
+        for f in range(F):  # every word in a sentence: one token each, as alone
+            inputs = (f + np.arange(self.features_per_input)) % F
+            expected = self._words_encode(out, inputs, np.asarray(f % L))
+            found = tok.encode(self.sentence(inputs, f % L))
+            if not np.array_equal(found, expected):
+                raise field_error(
+                    self.name,
+                    "tokenizer",
+                    self.tokenizer,
+                    f"it encodes {self.sentence(inputs, f % L)!r} otherwise than word by word; "
+                    f"the text task needs one token a word (leave tokenizer=None for its own)",
+                )
+        return out
+
+    def _words_encode(self, ids, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
+        """Tokens ``(..., E * event_length)`` of events under the token ids ``ids``."""
+        features, labels = ids["features"][inputs], ids["labels"][answers][..., None]
+        if self.text:
+            the, box, is_, stop = (
+                np.broadcast_to(t, (*inputs.shape[:-1], 1)) for t in ids["template"]
+            )
+            tokens = np.concatenate([the, features, box, is_, labels, stop], axis=-1)
+        else:
+            tokens = np.concatenate([features, labels], axis=-1)
+        return tokens.reshape(*tokens.shape[:-2], -1)
 
     @property
     def agent_batches(self) -> int:
@@ -125,7 +263,19 @@ class CompanionTask:
         return self.sessions * self.session_length
 
     def label_token(self, label):
-        return 1 + self.num_features + np.asarray(label)
+        """The token ids of labels ``label`` (any shape)."""
+        return self._ids["labels"][np.asarray(label)]
+
+    def query_tokens(self, inputs: np.ndarray) -> np.ndarray:
+        """Tokens ``(..., q)`` of queries ``inputs`` ``(..., k)``: each event up to where its
+        answer is predicted (the feature tokens; with ``text``, ``the <features> box is``)."""
+        answers = np.zeros((*inputs.shape[:-1], 1), np.int64)  # any: cut off below
+        return self._words_encode(self._ids, inputs[..., None, :], answers)[..., : self.answer_at]
+
+    @property
+    def answer_at(self) -> int:
+        """Where in an event the answer is predicted from: its answer token's position."""
+        return self.features_per_input + (3 if self.text else 0)
 
     def answers(self, rule: np.ndarray, inputs: np.ndarray) -> np.ndarray:
         """Labels ``(...,)`` of ``inputs`` ``(..., k)`` (feature ids) under ``rule``."""
@@ -161,10 +311,9 @@ class CompanionTask:
         return np.sort(np.argsort(keys, axis=1)[:, : self.features_per_input], axis=1)
 
     def encode(self, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
-        """Tokens ``(..., E * (k + 1))`` of events: each input's feature tokens, then its
-        answer's label token."""
-        tokens = np.concatenate([1 + inputs, self.label_token(answers)[..., None]], axis=-1)
-        return tokens.reshape(*tokens.shape[:-2], -1)
+        """Tokens ``(..., E * event_length)`` of events: each input's feature tokens, then its
+        answer's label token (with ``text``, the sentence's tokens)."""
+        return self._words_encode(self._ids, inputs, answers)
 
     def sequence(
         self, agent: Agent, session: int, rng: np.random.Generator, *, first: bool = False
@@ -197,20 +346,23 @@ class CompanionTask:
 
     def events_batch(self, inputs: np.ndarray, answers: np.ndarray, *, reset: bool) -> Batch:
         """Tokens of ``(B, E, k)`` inputs and ``(B, E)`` answers; the answer of each event is
-        the target at its last feature token."""
+        the target at the token before it (its last feature token; with ``text``, ``is``)."""
         tokens = self.encode(inputs, answers)
-        k = self.features_per_input
         targets = np.zeros_like(tokens)
         targets[:, :-1] = tokens[:, 1:]
         mask = np.zeros(tokens.shape, np.float32)
-        mask[:, k - 1 :: k + 1] = 1.0
+        mask[:, self.answer_at - 1 :: self.event_length] = 1.0
         flag = np.zeros(tokens.shape, np.float32)
         flag[:, 0] = float(reset)
         return make_batch(tokens, targets, mask, reset=flag)
 
     def describe(self) -> str:
         small = dataclasses.replace(self, events=3, rare_facts=1)
-        example = render_example(small.batch(0, 1))
+        batch = small.batch(0, 1)
+        example = render_example(batch)
+        if self.text:
+            words = self.text_tokenizer().decode(batch.inputs[0, : self.event_length])
+            example += f"\nThe first event as text: {words!r}"
         return (
             f"Agent companion: agents with private rules (each of {self.num_features} feature "
             f"tokens votes for one of {self.num_labels} labels; inputs of "

@@ -229,6 +229,25 @@ class Tokenizer:
     hf: Any = None
     raw: bytes | None = None  # a user's tokenizer.json as read (copied to out/ as it is)
 
+    def decode(self, ids) -> str:
+        """The text of token ``ids``: the UTF-8 bytes (ids past 255, EOS, dropped; a cut
+        character replaced) or the Hugging Face tokenizer's decoding (special tokens kept)."""
+        ids = [int(i) for i in ids]
+        if self.hf is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def unknown(self, text: str) -> list[str]:
+        """The pieces of ``text`` this tokenizer encodes as its unknown token (none for bytes
+        or a byte-level BPE, which encode any text)."""
+        unk = getattr(getattr(self.hf, "model", None), "unk_token", None)
+        unk_id = None if unk is None else self.hf.token_to_id(unk)
+        if unk_id is None:
+            return []
+        found = self.hf.encode(text, add_special_tokens=False)
+        pieces = zip(found.ids, found.offsets, strict=True)
+        return [text[a:b] for i, (a, b) in pieces if i == unk_id]
+
 
 def bytes_tokenizer() -> Tokenizer:
     """UTF-8 bytes, EOS 256, vocab 257."""
@@ -242,11 +261,12 @@ def _hf_tokenizer(kind: str, hf: Any, eos: str, where: str) -> Tokenizer:
         raise PrepareError(f"{where}: has no token {eos!r}; pass --eos=<a token it has>")
     vocab = hf.get_vocab(with_added_tokens=True)
     vocab_size = max(max(vocab.values()) + 1, hf.get_vocab_size(with_added_tokens=True))
+    return Tokenizer(kind, vocab_size, eos_id, encode_with(hf), hf)
 
-    def encode(text: str) -> np.ndarray:
-        return np.asarray(hf.encode(text, add_special_tokens=False).ids, np.int64)
 
-    return Tokenizer(kind, vocab_size, eos_id, encode, hf)
+def encode_with(hf: Any) -> Callable[[str], np.ndarray]:
+    """``text -> ids (N,)`` int64 of a Hugging Face tokenizer, without its special tokens."""
+    return lambda text: np.asarray(hf.encode(text, add_special_tokens=False).ids, np.int64)
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:

@@ -186,6 +186,10 @@ class TokensTask:
         """T of ``split``'s windows."""
         return self.seq_len if split == "train" else (self.eval_seq_len or self.seq_len)
 
+    def text_tokenizer(self) -> corpus.Tokenizer:
+        """The tokenizer the corpus was prepared with (:func:`corpus.prepared_tokenizer`)."""
+        return corpus.prepared_tokenizer(self.path, self.index)
+
     @functools.cached_property
     def index(self) -> dict[str, Any]:
         """The folder's ``index.json``, checked against the task's fields."""

@@ -26,6 +26,17 @@ def one_hot(task, inputs: np.ndarray) -> np.ndarray:
     return out
 
 
+def features(task, inputs: np.ndarray) -> np.ndarray:
+    """What :class:`OnlineLogistic` reads of ``inputs`` ``(..., k)``: the one-hot features
+    ``(..., F)``; on a text task the bag of tokens of the query sentence ``(..., V)`` (token
+    counts of ``the <features> box is``: the features' words and the template's, which every
+    sentence holds)."""
+    if not task.text:
+        return one_hot(task, inputs)
+    tokens = task.query_tokens(inputs)
+    return (tokens[..., None] == np.arange(task.vocab_size)).sum(axis=-2).astype(np.float64)
+
+
 class Retrieval:
     """A nearest-neighbour memory of (encoded input, answer) pairs of one agent."""
 
@@ -111,24 +122,27 @@ class RawRetrieval:
 
 
 class OnlineLogistic:
-    """Multinomial logistic regression on one-hot features for ``agents`` agents at once,
-    trained online: one SGD step on each event's cross-entropy.
+    """Multinomial logistic regression on one-hot features (a text task: bag of tokens,
+    :func:`features`) for ``agents`` agents at once, trained online: one SGD step on each
+    event's cross-entropy.
 
-    ``z = [onehot(x); 1]`` (F + 1), ``p = softmax(W z)``, the answer ``argmax_c (W z)_c``
-    (the first label among ties, so label 0 from ``W = 0``), and after each event ``(x, y)``
-    ``W <- W - lr (p - e_y) z^T``. ``W`` is ``(L, F + 1)`` float32 per agent.
+    ``z = [onehot(x); 1]`` (F + 1; text: V + 1), ``p = softmax(W z)``, the answer
+    ``argmax_c (W z)_c`` (the first label among ties, so label 0 from ``W = 0``), and after
+    each event ``(x, y)`` ``W <- W - lr (p - e_y) z^T``. ``W`` is ``(L, F + 1)`` float32 per
+    agent.
     """
 
     def __init__(self, task, agents: int, lr: float):
         self.task, self.lr = task, lr
-        self.w = np.zeros((agents, task.num_labels, task.num_features + 1), np.float32)
+        width = task.vocab_size if task.text else task.num_features
+        self.w = np.zeros((agents, task.num_labels, width + 1), np.float32)
 
     @property
     def nbytes(self) -> int:
         return self.w[0].nbytes
 
     def _features(self, inputs: np.ndarray) -> np.ndarray:
-        z = one_hot(self.task, inputs)
+        z = features(self.task, inputs)
         return np.concatenate([z, np.ones((*inputs.shape[:-1], 1))], axis=-1).astype(np.float32)
 
     def logits(self, inputs: np.ndarray) -> np.ndarray:

@@ -14,13 +14,15 @@ and answers the same queries after each session:
   answer a top-k vote weighted by similarity; ``knn_recency``: and by recency;
   ``knn_unbounded``: every pair kept. Inputs are encoded by the same frozen encoder: the
   trained model's token embeddings (d of them), averaged over the input's tokens and
-  normalised;
+  normalised (on a text task: the query sentence's tokens, a text-embedding retrieval);
 * ``raw_overlap``: a store of the raw events at equal bytes (each event's k feature ids and
   its answer, one byte each while F, L <= 256: ``(B - 4) // (k + 1)`` events and a write
   counter, so it holds every event an agent shows), answering with the stored event sharing
   the most feature ids with the query, the most recent among ties (:class:`RawRetrieval`);
 * ``logistic``: an online learner of the task's own hypothesis class, multinomial logistic
-  regression on the one-hot features, one SGD step per event (:class:`OnlineLogistic`), its
+  regression on the one-hot features (on a text task: on the bag of tokens of the query
+  sentence, :func:`~studies.companion.baselines.features`), one SGD step per event
+  (:class:`OnlineLogistic`), its
   learning rate the best of ``Settings.lr_grid`` on **training** agents
   (:func:`tune_learning_rate`; the held-out agents never reach the tuner);
 * ``votes``: per-feature vote counts, the answer the label of most summed counts
@@ -39,6 +41,13 @@ test-then-train **regret** (errors on the session's events, each predicted befor
 observed); then the sessions to **recover** after the drift (the first session whose novel
 accuracy is back to 90% of the last one before it), bytes per agent and latencies of the
 service at ``agents`` agents. Intervals are 95% bootstrap intervals over agents.
+
+**Text.** A run of the text task (``configs/companion.py:text``) is studied the same way, its
+events and queries sentences: the text rows are the companion against ``knn`` (retrieval by
+the frozen model's own embeddings of the query sentence: no sentence-embedding model is
+available offline) and against ``logistic`` on the sentence's bag of tokens
+(:func:`format_summary`'s "text task" line). ``raw_overlap``, ``votes`` and ``oracle`` still
+read the parsed feature ids: references, not text methods.
 
 **Variants** (``Settings.variants``): the same trained model and baselines on held-out agents
 whose rule differs in kind from training's (:data:`VARIANTS`, built at study time by
@@ -219,13 +228,13 @@ class Model:
     def __init__(self, trained, task, rows: int):
         self.program, self.params, self.task = trained.program, trained.state.params, task
         self.deployment = Deployment(self.program, self.params, rows)
-        labels = np.arange(task.num_labels) + 1 + task.num_features
+        labels = task.label_token(np.arange(task.num_labels))
         program = self.program
 
         @jax.jit
-        def answer(params, fast, queries):  # queries (rows, Q, k) tokens
-            rows, Q, k = queries.shape
-            flat = queries.reshape(rows * Q, k)
+        def answer(params, fast, queries):  # queries (rows, Q, q) tokens
+            rows, Q, q = queries.shape
+            flat = queries.reshape(rows * Q, q)
             repeat = lambda x: jnp.repeat(x, Q, axis=0)
             start = program.start_fast(params, rows * Q, jax.tree.map(repeat, fast))
             logits, _ = program.apply(params, flat, start)
@@ -239,8 +248,9 @@ class Model:
         return np.asarray(self._answer(self.params, fast, jnp.asarray(queries, jnp.int32)))
 
     def encode(self, inputs: np.ndarray) -> np.ndarray:
-        """The frozen encoder: mean token embedding of each input, unit norm."""
-        vectors = self.embedding[1 + inputs].mean(axis=-2)
+        """The frozen encoder: the mean embedding of each input's query tokens (its feature
+        tokens; on a text task, the words of ``the <features> box is``), unit norm."""
+        vectors = self.embedding[self.task.query_tokens(inputs)].mean(axis=-2)
         return vectors / np.linalg.norm(vectors, axis=-1, keepdims=True)
 
 
@@ -370,7 +380,7 @@ def _answers(model, fast, fresh, stores, learners, history, task, novel, facts) 
     """Each method's answers ``((N, Q), (N, R))`` to the novel queries and the rare facts."""
     L, N = task.num_labels, len(novel)
     both = np.concatenate([novel, facts], axis=1)
-    tokens = 1 + both
+    tokens = task.query_tokens(both)
     answered = {}
     for name, state in (("companion", fast), ("no_memory", fresh)):
         answered[name] = model.answer(state, tokens)
@@ -495,7 +505,9 @@ def latency(companion: Companion, task, settings: Settings) -> dict[str, float]:
     for r, a in enumerate(agents):
         inputs, answers = task.sequence(a, 0, rng)
         requests[f"agent-{r}"] = task.encode(inputs, answers).tolist()
-    queries = {f"agent-{r}": [(1 + task.draw_inputs(rng, 1)[0]).tolist()] for r in range(n)}
+    queries = {
+        f"agent-{r}": [task.query_tokens(task.draw_inputs(rng, 1)[0]).tolist()] for r in range(n)
+    }
     timed = {}
     for name, call, payload in (
         ("observe", companion.observe, requests),
@@ -569,6 +581,14 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(
             f"logistic lr {result['tuning']['lr']:g} (tuned on {result['tuning']['agents']} "
             f"training agents; mean errors {result['tuning']['errors']})"
+        )
+    standard = result.get("variants", {}).get("standard")
+    if result["task"].get("text") and standard is not None:
+        gap = standard["advantage"]
+        lines.append(
+            f"text task: companion - knn (retrieval by the frozen model's embeddings of the "
+            f"sentence) {_pm(gap['knn'])}, - logistic (bag of tokens) {_pm(gap['logistic'])} "
+            f"points of novel accuracy over sessions"
         )
     for name, row in result.get("variants", {}).items():
         lines.append(format_variant(name, row))
