@@ -80,6 +80,7 @@ def inputs(seed=0):
     return jax.random.normal(jax.random.key(seed), (2, T, DIM))
 
 
+@pytest.mark.slow  # 13 s: the default suite keeps under 6 minutes
 def test_heads_at_one_level_split_into_groups_equal_the_one_level_layer():
     """A second group whose level is declared like the first (another name): the outputs,
     their gradients and the final memories are the one-level layer's."""
@@ -184,6 +185,7 @@ def test_bad_head_levels_are_one_error_each():
         )
 
 
+@pytest.mark.slow  # 12 s
 def test_the_layer_restarts_every_group_at_document_starts():
     """Packed documents equal the documents run alone (the accumulated head's period counted
     from each document's start)."""
