@@ -64,26 +64,20 @@ def initial_state(level: Level, params: Any) -> LevelState:
 
 def _advance(level: Level, state: LevelState, grad: Any, tokens: int) -> LevelState:
     tick = state.cache.tick + tokens
-    step = jax.vmap(level.rule.transform.update)
-    if level.every == tokens:
-        # Every span ends a period: ticks stay multiples of the span (spans add it; restarts,
-        # `consolidate` and the initial state leave multiples of every), the accumulator zero.
-        mean = jax.tree.map(lambda g: g / level.every, grad)
-        updates, opt_state = step(mean, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return state.replace(
-            params=params, opt_state=opt_state, cache=state.cache._replace(tick=tick)
-        )
-    accum = jax.tree.map(jnp.add, state.cache.accum, grad)
-    due = tick % level.every == 0
+    # A period of one span ends at every span: ticks stay multiples of the span (spans add it;
+    # restarts, `consolidate` and the initial state leave multiples of every), so the update
+    # is due in every row and nothing accumulates.
+    every_span = level.every == tokens
+    accum = grad if every_span else jax.tree.map(jnp.add, state.cache.accum, grad)
     mean = jax.tree.map(lambda a: a / level.every, accum)
-    updates, opt_state = step(mean, state.opt_state, state.params)
-    params, opt_state = inner.select_rows(
-        due,
-        (optax.apply_updates(state.params, updates), opt_state),
-        (state.params, state.opt_state),
-    )
-    accum = inner.select_rows(due, jax.tree.map(jnp.zeros_like, accum), accum)
+    updates, opt_state = jax.vmap(level.rule.transform.update)(mean, state.opt_state, state.params)
+    stepped = (optax.apply_updates(state.params, updates), opt_state)
+    if every_span:
+        (params, opt_state), accum = stepped, state.cache.accum
+    else:
+        due = tick % level.every == 0
+        params, opt_state = inner.select_rows(due, stepped, (state.params, state.opt_state))
+        accum = inner.select_rows(due, jax.tree.map(jnp.zeros_like, accum), accum)
     return state.replace(params=params, opt_state=opt_state, cache=Accumulated(accum, tick))
 
 
