@@ -99,6 +99,21 @@ def test_sampling_continues_a_char_lm_prompt_deterministically_under_a_seed(trai
     chex.assert_trees_all_close(first.fast, fast, rtol=1e-5, atol=1e-6)
 
 
+def test_sampling_draws_only_ids_below_vocab(trained):
+    """``vocab``: a tokenizer smaller than the model's vocabulary; greedy picks the argmax of
+    the first ``vocab`` logits, and a draw never leaves them."""
+    program, params = trained.program, trained.state.params
+    full = nl.generate(program, params, PROMPT, max_new_tokens=6)
+    assert int(np.max(full.tokens)) >= 40  # unrestricted, the model picks ids past 40
+    greedy = nl.generate(program, params, PROMPT, max_new_tokens=6, vocab=40)
+    tokens = np.concatenate([PROMPT, np.asarray(greedy.tokens)], axis=1)
+    logits, _ = program.apply(params, jnp.asarray(tokens[:, :-1]))
+    want = np.argmax(np.asarray(logits)[0, PROMPT.shape[1] - 1 :, :40], axis=-1)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[0], want)
+    drawn = nl.generate(program, params, PROMPT, max_new_tokens=32, temperature=2.0, vocab=40)
+    assert int(np.max(drawn.tokens)) < 40
+
+
 def test_a_level_of_period_4_samples_as_one_call_over_the_stream_and_stops_at_stop_tokens(
     corpus,
 ):
@@ -130,6 +145,9 @@ def test_bad_sampling_arguments_get_one_line_naming_them(trained):
         "max_new_tokens=0 must be an int >= 1": dict(max_new_tokens=0),
         "temperature=-1 must be a number >= 0": dict(temperature=-1),
         r"top_k=257 must be at most 256 \(the vocabulary\)": dict(top_k=257),
+        r"vocab=257 must be at most 256 \(the vocabulary\)": dict(vocab=257),
+        "vocab=0 must be an int >= 1": dict(vocab=0),
+        r"top_k=50 must be at most 40": dict(top_k=50, vocab=40),
         "stop token=256 must be at most 255": dict(stop=[256]),
         r"fast has batch size\(s\) \[3\], the prompt 1 row\(s\)": dict(
             fast=program.start_fast(params, 3)

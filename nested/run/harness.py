@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import lm_eval.models  # noqa: F401  (the harness's own models stay registered beside ours)
 import numpy as np
 from lm_eval.api.model import LM
@@ -118,21 +117,6 @@ def run_tokenizer(experiment: Experiment, tokenizer: str | None = None) -> corpu
             f"model's ({vocab}); pass the tokenizer the run's corpus was prepared with"
         )
     return out
-
-
-class TokenizerVocabulary:
-    """``program`` whose logits are -inf at ids >= ``size`` (a tokenizer's vocabulary smaller
-    than the model's), for sampling; everything else is the program's."""
-
-    def __init__(self, program: Program, size: int):
-        self.program, self.size = program, size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.program, name)
-
-    def apply(self, params, inputs, fast=None, **given):
-        logits, fast = self.program.apply(params, inputs, fast, **given)
-        return jnp.where(jnp.arange(logits.shape[-1]) < self.size, logits, -jnp.inf), fast
 
 
 @functools.partial(jax.jit, static_argnames="program")
@@ -205,8 +189,7 @@ class NestedLM(LM):
         program, document_eos = trained.program, self.eos if task.documents else None
         self.score = perplexity.make_score_fn(program, document_eos, greedy=True)
         self.rolling_score = perplexity.make_score_fn(program, document_eos)
-        size = self.tokenizer.vocab_size
-        self.sampler = program if size == program.vocab else TokenizerVocabulary(program, size)
+        self.tokenizer_vocab = self.tokenizer.vocab_size
 
     @classmethod
     def from_trained(cls, trained: Trained, **model_args) -> NestedLM:
@@ -358,7 +341,7 @@ class NestedLM(LM):
             if len(ids) == 1:
                 stop.add(ids[0])
         sample = sampling.generate(
-            self.sampler,
+            program,
             params,
             tokens[:, head:],
             max_new_tokens=options["max_new_tokens"],
@@ -367,6 +350,7 @@ class NestedLM(LM):
             stop=sorted(stop),
             rng=self.seed,
             fast=fast,
+            vocab=self.tokenizer_vocab,
         )
         generated = np.asarray(sample.tokens)
         return [generated[row, : sample.lengths[row]].tolist() for row in range(len(prompts))]

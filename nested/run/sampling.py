@@ -92,12 +92,12 @@ def _run(params, tokens: jax.Array, fast, *, program: Program):
     return program.apply(params, tokens, fast)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("program", "greedy", "top_k"))
-def _step(carry: _Carry, params, stop, key, index, temperature, *, program, greedy, top_k):
-    """One new token per row from the buffer; see the module docstring."""
+@functools.partial(jax.jit, static_argnames=("program", "greedy", "top_k", "vocab"))
+def _step(carry: _Carry, params, stop, key, index, temperature, *, program, greedy, top_k, vocab):
+    """One new token per row from the buffer, an id below ``vocab``; see the module docstring."""
     logits, after = program.apply(params, carry.buffer, carry.fast)  # (B, P, V)
     logits = jax.lax.dynamic_index_in_dim(logits, carry.n - 1, axis=1, keepdims=False)
-    logits = logits[:, : program.vocab]  # a padded vocabulary's columns: never drawn
+    logits = logits[:, :vocab]  # a padded vocabulary's columns, or a tokenizer's: never drawn
     if greedy:
         token = jnp.argmax(logits, axis=-1)
     else:
@@ -132,13 +132,16 @@ def generate(
     stop: Sequence[int] = (),
     rng: int | jax.Array = 0,
     fast=None,
+    vocab: int | None = None,
 ) -> Sample:
     """Continue ``prompt (B, L)`` (token ids, ``L >= 1``) by up to ``max_new_tokens`` tokens.
 
     ``params``: the slow parameters (``state.params``); ``fast``: the fast state to continue
     from (a memory session of batch ``B``), None for the one a sequence starts from
     (``program.start_fast``); ``temperature``, ``top_k``, ``stop``, ``rng`` (a seed or a PRNG
-    key): see the module docstring. Raises :class:`SamplingError` naming a bad argument.
+    key): see the module docstring. ``vocab``: new ids are drawn below it (a tokenizer with
+    fewer ids than the model's vocabulary); None: the model's (``program.vocab``). Raises
+    :class:`SamplingError` naming a bad argument.
     """
     prompt = jnp.asarray(prompt)
     try:
@@ -155,8 +158,11 @@ def generate(
         or temperature < 0
     ):
         raise SamplingError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if vocab is None:
+        vocab = program.vocab
+    _count(vocab, "vocab", 1, program.vocab)
     if top_k is not None:
-        _count(top_k, "top_k", 1, program.vocab)
+        _count(top_k, "top_k", 1, vocab)
     stop = tuple(stop)
     for token in stop:
         _count(token, "stop token", 0, program.vocab - 1)
@@ -179,7 +185,7 @@ def generate(
     carry = _Carry(fast, buffer, jnp.int32(n), jnp.zeros((B,), bool))
     key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
     stop_ids = jnp.asarray(stop, jnp.int32).reshape(-1)
-    options = dict(program=program, greedy=temperature == 0, top_k=top_k)
+    options = dict(program=program, greedy=temperature == 0, top_k=top_k, vocab=vocab)
     tokens = []
     for index in range(max_new_tokens):
         carry, token = _step(carry, params, stop_ids, key, index, temperature, **options)
