@@ -40,7 +40,13 @@ from mcp.server.stdio import stdio_server
 from pydantic import ValidationError
 
 from nested.companion import checks
-from nested.companion.engine import Companion, check_agent_id
+from nested.companion.engine import (
+    MAX_QUERIES,
+    MAX_QUERY_TOKENS,
+    MAX_TOKENS,
+    Companion,
+    check_agent_id,
+)
 from nested.companion.server import ALONE, Batcher, Gate, health_report
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -49,60 +55,52 @@ log = logging.getLogger(__name__)
 
 
 def _tools(companion: Companion, agent_id: str) -> list[types.Tool]:
-    period = companion.period
+    """The tools: name, what it does, its input schema and hints (read-only: writes nothing)."""
+    you = f"agent {agent_id!r}"
+    writes = types.ToolAnnotations(destructive_hint=False, open_world_hint=False)
+    table = [
+        (
+            "observe",
+            f"Learn from new events of {you}: 'tokens' (token ids) or 'text' (a string), at "
+            f"most {MAX_TOKENS} tokens, a multiple of {companion.period}. Answers the tokens "
+            f"the agent has observed in all.",
+            checks.Observation.model_json_schema(),
+            writes,
+        ),
+        (
+            "recall",
+            f"Ask {you}'s memory: for each query ('queries': token-id lists, or 'text': "
+            f"strings; at most {MAX_QUERIES} of {MAX_QUERY_TOKENS} tokens), the top next "
+            f"tokens, their probabilities (and the tokens as 'text') and the memories' "
+            f"read-out. Writes nothing.",
+            checks.Queries.model_json_schema(),
+            READ,
+        ),
+        ("describe", f"The tokens {you} has observed.", NO_ARGUMENTS, READ),
+        (
+            "health",
+            "The service's status, agents stored, model fingerprint and tokenizer.",
+            NO_ARGUMENTS,
+            READ,
+        ),
+        (
+            "forget",
+            f"Forget {you}: its state is removed; it starts over from the learned initial state.",
+            NO_ARGUMENTS,
+            types.ToolAnnotations(destructive_hint=True, open_world_hint=False),
+        ),
+        (
+            "export",
+            f"The state of {you} as a portable file (flax msgpack with the model's "
+            f"fingerprint), base64 in 'state'; the HTTP API's PUT /agents/{{id}}/import takes "
+            f"it back.",
+            NO_ARGUMENTS,
+            READ,
+        ),
+    ]
     return [
-        types.Tool(
-            name="observe",
-            description=(
-                f"Learn from new events of agent {agent_id!r}: 'tokens' (token ids) or 'text' "
-                f"(a string), at most 8192 tokens, a multiple of {period}. Answers the tokens "
-                f"the agent has observed in all."
-            ),
-            input_schema=checks.Observation.model_json_schema(),
-            annotations=types.ToolAnnotations(destructive_hint=False, open_world_hint=False),
-        ),
-        types.Tool(
-            name="recall",
-            description=(
-                f"Ask agent {agent_id!r}'s memory: for each query ('queries': token-id lists, or "
-                f"'text': strings; at most 256 of 512 tokens), the top next tokens, their "
-                f"probabilities (and the tokens as 'text') and the memories' read-out. Writes "
-                f"nothing."
-            ),
-            input_schema=checks.Queries.model_json_schema(),
-            annotations=READ,
-        ),
-        types.Tool(
-            name="describe",
-            description=f"The tokens agent {agent_id!r} has observed.",
-            input_schema=NO_ARGUMENTS,
-            annotations=READ,
-        ),
-        types.Tool(
-            name="health",
-            description="The service's status, agents stored, model fingerprint and tokenizer.",
-            input_schema=NO_ARGUMENTS,
-            annotations=READ,
-        ),
-        types.Tool(
-            name="forget",
-            description=(
-                f"Forget agent {agent_id!r}: its state is removed and it starts over from the "
-                f"learned initial state."
-            ),
-            input_schema=NO_ARGUMENTS,
-            annotations=types.ToolAnnotations(destructive_hint=True, open_world_hint=False),
-        ),
-        types.Tool(
-            name="export",
-            description=(
-                f"Agent {agent_id!r}'s state as a portable file (flax msgpack with the model's "
-                f"fingerprint), base64 in 'state'; the HTTP API's PUT /agents/{{id}}/import "
-                f"takes it back."
-            ),
-            input_schema=NO_ARGUMENTS,
-            annotations=READ,
-        ),
+        types.Tool(name=name, description=text, input_schema=schema, annotations=hints)
+        for name, text, schema, hints in table
     ]
 
 

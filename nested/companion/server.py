@@ -17,13 +17,14 @@ Before any byte of a body is read, a pure ASGI gate (:class:`Gate`) refuses a re
 the server's API key when it has one (401, ``Authorization: Bearer <key>``; only ``/health``
 and the docs are open), a path under ``/agents/`` whose agent id is not valid as sent or any
 path with percent-escapes (400: ``victim/``, ``victim%2F``, ``..%2Fb``, ``/%61gents/b``; there
-are no redirects), and a body announced over :data:`MAX_BODY` bytes (413). It then reads the
-body counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and
-refuses it (413) as soon as the count passes the limit. Limits: :data:`MAX_BODY` bytes a body,
-``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES`` queries of ``MAX_QUERY_TOKENS`` tokens a
-recall (:mod:`~nested.companion.engine`), text counted in the tokens it encodes to. Token ids
-are strict JSON integers (``1.0``, ``1e1``, ``"1"`` and ``true`` are not); a request carries
-ids or text, not both (422), and text needs the companion's tokenizer (422 without one).
+are no redirects), and a body announced over ``MAX_BODY`` bytes (413). It then reads the body
+counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and refuses it
+(413) as soon as the count passes the limit. Limits (:mod:`~nested.companion.checks`, the MCP
+server's too): ``MAX_BODY`` bytes a body, ``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES``
+queries of ``MAX_QUERY_TOKENS`` tokens a recall (:mod:`~nested.companion.engine`), text counted
+in the tokens it encodes to. Token ids are strict JSON integers (``1.0``, ``1e1``, ``"1"`` and
+``true`` are not); a request carries ids or text, not both (422), and text needs the
+companion's tokenizer (422 without one).
 
 Model calls are queued and run by one worker thread: observes and recalls in **batches**
 (consecutive requests of one kind, each agent at most once per batch: one jitted call for many
