@@ -51,8 +51,10 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def shell_blocks(text: str) -> list[str]:
-    """The page's fenced blocks without a language: shell commands."""
-    return re.findall(r"```\n(.*?)```", text, flags=re.S)
+    """The page's fenced blocks without a language: shell commands (each fence paired with
+    the next, so the text between a ```json block and the next block is not one)."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.S | re.M)
+    return [body for language, body in blocks if not language]
 
 
 def dotted_names(text: str) -> set[str]:

@@ -7,7 +7,10 @@ Seed 000, section 6: a small neural learner beside a frozen foundation model, on
   consolidate, forget, export and import of an agent), many agents in one jitted call;
 * :mod:`~nested.companion.store`: the per-agent states, :class:`SQLiteStore` by default;
 * :mod:`~nested.companion.server`: the HTTP service (``experiments/serve.py``);
-* :mod:`~nested.companion.client`: a Python client of it and a launcher of its process.
+* :mod:`~nested.companion.mcp_server`: one agent's memory as MCP tools (``serve.py --mcp``);
+* :mod:`~nested.companion.checks`: the requests both take, their limits and the error shape;
+* :mod:`~nested.companion.client`: Python clients of them (HTTP, MCP) and a launcher of the
+  server process.
 
 The study that holds it against every fair baseline is research code, apart from the library:
 ``experiments/studies/companion`` (``experiments/companion_study.py``).

@@ -1,18 +1,22 @@
-"""A small HTTP client of the companion service, and a launcher of the server process.
+"""Clients of the companion service, and a launcher of the server process.
 
 :class:`Client` speaks the endpoints of :mod:`nested.companion.server` with the standard
 library only (``urllib``): ``observe``, ``recall``, ``consolidate``, ``tokens``, ``forget``,
 ``export``, ``import_``, ``health``; :meth:`Client.request` returns ``(status, body)`` for any call.
 It never follows a redirect (the server sends none; one that did could send a request meant for
-one agent to another): a 3xx is returned as it came. :class:`ServerProcess` starts
-``experiments/serve.py`` on loopback with a free port and waits until it answers (the tests
-and ``benchmarks/companion_load.py`` use it).
+one agent to another): a 3xx is returned as it came. :func:`mcp_session` opens the MCP SDK's
+``ClientSession`` with an agent's MCP server (:mod:`nested.companion.mcp_server`), over stdio
+(spawning it) or streamable HTTP. :class:`ServerProcess` starts ``experiments/serve.py`` (the
+HTTP API, or with ``mcp_agent`` an MCP server over HTTP) on loopback with a free port and
+waits until it answers (the tests and ``benchmarks/companion_load.py`` use it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -20,8 +24,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import httpx2
+import mcp
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 SERVE = Path(__file__).resolve().parents[2] / "experiments" / "serve.py"
 
@@ -97,6 +107,42 @@ class Client:
         return self._ok("PUT", f"/agents/{agent_id}/import", raw=data)["tokens"]
 
 
+@contextlib.asynccontextmanager
+async def mcp_session(
+    *,
+    url: str | None = None,
+    api_key: str | None = None,
+    workdir: str | Path | None = None,
+    agent: str | None = None,
+    flags: Sequence[str] = (),
+    errlog: IO | None = None,
+) -> AsyncIterator[mcp.ClientSession]:
+    """An initialized :class:`mcp.ClientSession` (the SDK's client; it negotiates the protocol
+    version) with a companion's MCP server, closed on leaving: over streamable HTTP at ``url``
+    (``http://127.0.0.1:PORT/mcp`` of ``serve.py --mcp=http``; ``api_key``: its bearer key), or
+    over stdio with ``serve.py --mcp=stdio --workdir=workdir --agent=agent`` spawned (``flags``:
+    its other flags, ``--store=...``; its stderr to ``errlog``, by default this process's; it
+    inherits this process's environment) and ended with the session."""
+    if (url is None) == (workdir is None) or (workdir is not None and agent is None):
+        raise ValueError("mcp_session: give url (streamable HTTP) or workdir and agent (stdio)")
+    async with contextlib.AsyncExitStack() as stack:
+        if url is not None:
+            headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+            timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's own client's
+            http = await stack.enter_async_context(
+                httpx2.AsyncClient(headers=headers, timeout=timeout)
+            )
+            transport = streamable_http_client(url, http_client=http)
+        else:
+            command = [str(SERVE), "--mcp=stdio", f"--workdir={workdir}", f"--agent={agent}"]
+            spawned = StdioServerParameters(
+                command=sys.executable, args=[*command, *flags], env=dict(os.environ)
+            )
+            transport = stdio_client(spawned, errlog=errlog or sys.stderr)
+        client = await stack.enter_async_context(mcp.Client(transport))
+        yield client.session
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,7 +155,8 @@ class ServerProcess:
     a damaged store answers 503); ``client`` talks to it, ``started`` is the line the server
     printed when it began serving (how long warming took), ``notes`` the lines before it.
     ``warm_s``: the server's ``--warm_s`` (0 here: a test starts many servers and needs no
-    warm buckets); ``step``: its ``--step``; ``tokenizer``: its ``--tokenizer``."""
+    warm buckets); ``step``: its ``--step``; ``tokenizer``: its ``--tokenizer``; ``mcp_agent``:
+    serve that agent as an MCP server over streamable HTTP (``--mcp=http``) at ``url``."""
 
     def __init__(
         self,
@@ -121,9 +168,11 @@ class ServerProcess:
         warm_s: float = 0.0,
         step: int | None = None,
         tokenizer: str | None = None,
+        mcp_agent: str | None = None,
         timeout: float = 180.0,
     ):
         self.port, self.store = free_port(), Path(store)
+        self.url = f"http://127.0.0.1:{self.port}" + ("" if mcp_agent is None else "/mcp")
         command = [
             sys.executable,
             str(SERVE),
@@ -139,6 +188,8 @@ class ServerProcess:
             command.append(f"--step={step}")
         if tokenizer is not None:
             command.append(f"--tokenizer={tokenizer}")
+        if mcp_agent is not None:
+            command += ["--mcp=http", f"--agent={mcp_agent}"]
         self.notes: list[str] = []
         key = None if api_key_file is None else Path(api_key_file).read_text().strip()
         self.client = Client(f"http://127.0.0.1:{self.port}", key)

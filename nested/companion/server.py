@@ -17,13 +17,14 @@ Before any byte of a body is read, a pure ASGI gate (:class:`Gate`) refuses a re
 the server's API key when it has one (401, ``Authorization: Bearer <key>``; only ``/health``
 and the docs are open), a path under ``/agents/`` whose agent id is not valid as sent or any
 path with percent-escapes (400: ``victim/``, ``victim%2F``, ``..%2Fb``, ``/%61gents/b``; there
-are no redirects), and a body announced over :data:`MAX_BODY` bytes (413). It then reads the
-body counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and
-refuses it (413) as soon as the count passes the limit. Limits: :data:`MAX_BODY` bytes a body,
-``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES`` queries of ``MAX_QUERY_TOKENS`` tokens a
-recall (:mod:`~nested.companion.engine`), text counted in the tokens it encodes to. Token ids
-are strict JSON integers (``1.0``, ``1e1``, ``"1"`` and ``true`` are not); a request carries
-ids or text, not both (422), and text needs the companion's tokenizer (422 without one).
+are no redirects), and a body announced over ``MAX_BODY`` bytes (413). It then reads the body
+counting bytes whatever the framing (``Transfer-Encoding: chunked`` included) and refuses it
+(413) as soon as the count passes the limit. Limits (:mod:`~nested.companion.checks`, the MCP
+server's too): ``MAX_BODY`` bytes a body, ``MAX_TOKENS`` tokens an observe, ``MAX_QUERIES``
+queries of ``MAX_QUERY_TOKENS`` tokens a recall (:mod:`~nested.companion.engine`), text counted
+in the tokens it encodes to. Token ids are strict JSON integers (``1.0``, ``1e1``, ``"1"`` and
+``true`` are not); a request carries ids or text, not both (422), and text needs the
+companion's tokenizer (422 without one).
 
 Model calls are queued and run by one worker thread: observes and recalls in **batches**
 (consecutive requests of one kind, each agent at most once per batch: one jitted call for many
@@ -59,52 +60,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from nested.companion.engine import (
-    MAX_QUERIES,
-    MAX_QUERY_TOKENS,
-    MAX_TOKENS,
-    Companion,
-    CompanionError,
-    check_agent_id,
-)
+from nested.companion import checks
+from nested.companion.checks import MAX_BODY, Observation, Queries
+from nested.companion.engine import Companion, CompanionError, check_agent_id
 
-MAX_BODY = 1 << 20  # bytes of a request body
 ALONE = "alone"  # the kind of a queued request that runs by itself: its payload is a callable
 OPEN = {"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}  # no key needed
 # The agent id of a path under /agents/: what lies between the prefix and the action, if any.
 AGENT_PATH = re.compile(r"/agents/(?P<id>.*?)(?:/(?:observe|recall|consolidate|export|import))?")
-
-
-class Observation(BaseModel):
-    tokens: list[StrictInt] | None = Field(
-        None, min_length=1, max_length=MAX_TOKENS, description="token ids (or text)"
-    )
-    text: StrictStr | None = Field(None, min_length=1, description="text to encode (or tokens)")
-
-
-class Queries(BaseModel):
-    queries: list[list[StrictInt]] | None = Field(
-        None, min_length=1, max_length=MAX_QUERIES, description="token-id prefixes (or text)"
-    )
-    text: list[StrictStr] | None = Field(
-        None, min_length=1, max_length=MAX_QUERIES, description="text prefixes (or queries)"
-    )
-
-
-def ids_or_text(body: BaseModel, ids: str) -> tuple[str, Any]:
-    """``(field, value)`` of the one of ``ids`` (token ids) and ``text`` that ``body``
-    carries; a :class:`CompanionError` when it carries both or neither."""
-    given = [f for f in (ids, "text") if getattr(body, f) is not None]
-    if len(given) != 1:
-        start = f"{ids}: Field required; give" if not given else "give"
-        raise CompanionError(
-            f"{start} either {ids!r} (token ids) or 'text' (encoded with the companion's "
-            f"tokenizer){', not both' if given else ''}"
-        )
-    return given[0], getattr(body, given[0])
 
 
 class Batcher:
@@ -124,6 +89,22 @@ class Batcher:
             self.queue.append((kind, agent_id, payload, future))
             self.ready.notify()
         return future
+
+    async def call(self, kind: str, agent_id: str, payload: Any) -> Any:
+        """The result of one request, awaited in the event loop: ``kind`` ``"observe"`` or
+        ``"recall"`` (``payload`` the agent's checked tokens or queries), or :data:`ALONE`
+        (``payload()`` run in order with the agent's other requests)."""
+        check_agent_id(agent_id)
+        return await asyncio.wrap_future(self.submit(kind, agent_id, payload))
+
+    async def served(self, kind: str, agent_id: str, payload: Any) -> dict:
+        """:meth:`call` of an engine operation answering per agent (observe, recall, an
+        :data:`ALONE` consolidate): ``{"agent_id": ..., **result}``, or a
+        :class:`CompanionError` (409) when the engine refused that agent."""
+        result = await self.call(kind, agent_id, payload)
+        if "error" in result:
+            raise CompanionError(result["error"], status=409)
+        return {"agent_id": agent_id, **result}
 
     def stop(self) -> None:
         with self.ready:
@@ -168,8 +149,20 @@ class Batcher:
                 future.set_result(results[agent_id])
 
 
+def health_report(companion: Companion) -> dict:
+    """Status, agents stored, the model's fingerprint, vocabulary and tokenizer (its kind, or
+    None: token ids only), read from the store directly (no model call)."""
+    return {
+        "status": "ok",
+        "agents": companion.store.count(),
+        "fingerprint": json.loads(companion.fingerprint),
+        "vocab": companion.vocab,
+        "tokenizer": None if companion.tokenizer is None else companion.tokenizer.kind,
+    }
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": " ".join(message.split())}, status_code=status, headers=headers)
+    return JSONResponse(checks.error_body(message), status_code=status, headers=headers)
 
 
 class Gate:
@@ -271,8 +264,7 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return _error(422, f"body: not valid JSON ({reason})")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(422, f"{where}: {first.get('msg', 'invalid request')}")
+        return _error(422, checks.invalid(error.errors()))
 
     @app.exception_handler(HTTPException)
     async def framework(request: Request, error: HTTPException):
@@ -286,67 +278,29 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
             return _error(405, message, error.headers)
         return _error(error.status_code, str(error.detail), error.headers)
 
-    @app.exception_handler(CompanionError)
-    async def refused(request: Request, error: CompanionError):
-        return _error(error.status, str(error))
+    async def refused(request: Request, error: Exception):
+        return _error(*checks.refusal(error))
 
-    @app.exception_handler(sqlite3.DatabaseError)
-    async def damaged(request: Request, error: sqlite3.DatabaseError):
-        return _error(
-            503,
-            f"the agents' store is damaged or unreadable (sqlite3: {error}); no agent can be "
-            f"served until it is restored from a backup or repaired",
-        )
-
-    @app.exception_handler(Exception)
-    async def unforeseen(request: Request, error: Exception):
-        return _error(
-            500, f"internal error ({type(error).__name__}); the cause is in the server's log"
-        )
-
-    async def run(kind: str, agent_id: str, payload: Any):
-        check_agent_id(agent_id)
-        result = await asyncio.wrap_future(batcher.submit(kind, agent_id, payload))
-        if "error" in result:
-            return _error(409, result["error"])
-        return {"agent_id": agent_id, **result}
-
-    async def alone(agent_id: str, call):
-        """``call()`` in the worker thread, in order with the agent's other requests."""
-        check_agent_id(agent_id)
-        return await asyncio.wrap_future(batcher.submit(ALONE, agent_id, call))
+    for refusable in (CompanionError, sqlite3.DatabaseError, Exception):
+        app.add_exception_handler(refusable, refused)
 
     @app.get("/health")
     def health():  # in a thread of the server's pool: the store is read directly
-        return {
-            "status": "ok",
-            "agents": companion.store.count(),
-            "fingerprint": json.loads(companion.fingerprint),
-            "vocab": companion.vocab,
-            "tokenizer": None if companion.tokenizer is None else companion.tokenizer.kind,
-        }
+        return health_report(companion)
 
     @app.post("/agents/{agent_id}/observe")
     async def observe(agent_id: str, body: Observation):
-        field, given = ids_or_text(body, "tokens")
-        tokens = companion.check_tokens(given, field, limit=MAX_TOKENS, multiple=companion.period)
-        return await run("observe", agent_id, tokens.tolist())
+        return await batcher.served("observe", agent_id, checks.observation(companion, body))
 
     @app.post("/agents/{agent_id}/recall")
     async def recall(agent_id: str, body: Queries):
-        field, given = ids_or_text(body, "queries")
-        queries = [
-            companion.check_tokens(query, f"{field}.{i}", limit=MAX_QUERY_TOKENS).tolist()
-            for i, query in enumerate(given)
-        ]
-        return await run("recall", agent_id, queries)
+        return await batcher.served("recall", agent_id, checks.queries(companion, body))
 
     @app.post("/agents/{agent_id}/consolidate")
     async def consolidate(agent_id: str):
-        result = await alone(agent_id, lambda: companion.consolidate([agent_id])[agent_id])
-        if "error" in result:
-            return _error(409, result["error"])
-        return {"agent_id": agent_id, **result}
+        return await batcher.served(
+            ALONE, agent_id, lambda: companion.consolidate([agent_id])[agent_id]
+        )
 
     @app.get("/agents/{agent_id}")
     def describe(agent_id: str):  # in a thread of the server's pool: the store read directly
@@ -354,18 +308,18 @@ def create_app(companion: Companion, *, api_key: str | None = None) -> FastAPI:
 
     @app.delete("/agents/{agent_id}")
     async def forget(agent_id: str):
-        forgotten = await alone(agent_id, lambda: companion.forget(agent_id))
+        forgotten = await batcher.call(ALONE, agent_id, lambda: companion.forget(agent_id))
         return {"agent_id": agent_id, "forgotten": forgotten}
 
     @app.get("/agents/{agent_id}/export")
     async def export(agent_id: str):
-        data = await alone(agent_id, lambda: companion.export_agent(agent_id))
+        data = await batcher.call(ALONE, agent_id, lambda: companion.export_agent(agent_id))
         return Response(data, media_type="application/octet-stream")
 
     @app.put("/agents/{agent_id}/import")
     async def import_(agent_id: str, request: Request):
         data = await request.body()
-        tokens = await alone(agent_id, lambda: companion.import_agent(agent_id, data))
+        tokens = await batcher.call(ALONE, agent_id, lambda: companion.import_agent(agent_id, data))
         return {"agent_id": agent_id, "tokens": tokens}
 
     return app
