@@ -6,9 +6,10 @@ benchmarks' tables measured there.
 
 Steps, each a subprocess (the first failure stops the script with its exit status):
 
-1. correctness on the device: the kernel and op equivalence tests (``tests/test_kernels.py``,
-   ``tests/test_ops_linear.py``, ``tests/test_ops_neural.py``: values and gradients against the
-   generic path and per-token references, float64 where the device has it);
+1. correctness on the device: the kernel and op equivalence tests
+   (``tests/core/test_kernels.py``, ``tests/ops/test_ops_linear.py``,
+   ``tests/ops/test_ops_neural.py``: values and gradients against the generic path and
+   per-token references, float64 where the device has it);
 2. ``ops_throughput.py`` (linear ops), ``neural_throughput.py`` (TTT, Titans, ATLAS) and
    ``scaling.py`` (one training step of a 2-layer LM: tokens/s and temporary memory as T
    grows; float32 and bfloat16 compute) at accelerator sizes, each writing its tables, with
@@ -72,7 +73,11 @@ QUICK = {
 }
 # The absl scripts spell the write flags their own way (and name their own sections).
 ABSL = {"lm_throughput", "lm_profile"}
-TESTS = ["tests/test_kernels.py", "tests/test_ops_linear.py", "tests/test_ops_neural.py"]
+TESTS = [
+    "tests/core/test_kernels.py",
+    "tests/ops/test_ops_linear.py",
+    "tests/ops/test_ops_neural.py",
+]
 
 
 def run(command: list[str]) -> None:

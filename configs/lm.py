@@ -77,7 +77,7 @@ fast memories. Where a mixer's extra projections push a model more than 10% past
 is matched to the Transformer++ count of that size (:data:`ADJUSTED`): the SwiGLU width is cut
 (``mlp``), except in the hybrids MAC, MAG and MAL, whose mixers hold attention and a memory
 layer (their MLP would shrink below the model width): they keep two thirds of the layers, MAC
-with a narrower MLP as well. The counts (``python -m pytest -s tests/test_lm_configs.py``
+with a narrower MLP as well. The counts (``python -m pytest -s tests/run/test_lm_configs.py``
 prints them; ``tiny``: 2 x 128, 4 heads, MLP 344, 0.46M to 0.73M parameters):
 
 ==============  =====  ======  ====  =====  ====  ======  =======

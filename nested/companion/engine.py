@@ -15,28 +15,20 @@ of that model (a few kilobytes), kept in a :mod:`~nested.companion.store`. Opera
   blocks) apply what they accumulated now;
 * ``forget``, ``export_agent`` / ``import_agent`` (flax msgpack with the model's fingerprint).
 
-**Text.** Where the companion has a tokenizer (``tokenizer``: ``"bytes"``, the path of a
-``tokenizer.json``, or by default the run's own: its corpus's ``tokenizer.json``
-(``nested.data.TokensTask``) or the text companion task's words (``CompanionTask(text=True)``)),
-an observation or a query may be a string instead of token ids: it is encoded (without the
-tokenizer's special tokens) and held to the same limits, counted in tokens; and a recall also
-answers each predicted token decoded (``"text"``). Text given to a companion without a
-tokenizer is refused (422).
+Its parts, one module each: what a request may hold (:mod:`~nested.companion.inputs`), text
+and the tokenizer (:mod:`~nested.companion.text`: a query or observation may be a string, and
+a recall then answers each predicted token decoded, ``"text"``), the export file
+(:mod:`~nested.companion.agent_file`: an import is checked in full before anything is written)
+and the sizes of the jitted calls (:mod:`~nested.companion.buckets`).
 
-Only finite states are served. An import is checked in full before anything is written: the
-file's structure, every array's shape and dtype equal to the model's, finite values, a token
-count that is an ``int`` in ``[0, 2**63)`` (SQLite's range); anything else is a 422 naming what
-is wrong. An observe whose update would leave an agent's state non-finite (or a recall whose
-answer would be) is refused for that agent (409), its stored state kept as it was; a stored
-state that is not finite (written before these checks) is refused like a damaged one.
+Only finite states are served. An observe whose update would leave an agent's state non-finite
+(or a recall whose answer would be) is refused for that agent (409), its stored state kept as
+it was; a stored state that is not finite (written before these checks) is refused like a
+damaged one.
 
 Requests from many agents run as **one jitted call**: their states are gathered into a slab
-(rows = agents), updated and scattered back. Sizes are bucketed so that a call never compiles
-anew for each batch size or length: rows are padded to a power of two with fresh states (their
-results discarded); an observe is cut into pieces whose lengths are powers of two times the
-model's update period, run one after another (a stream cut at period boundaries continues
-exactly); queries are padded at the end to a power of two (a causal model's read at a query's
-last token does not see what follows).
+(rows = agents), updated and scattered back, at bucketed sizes (rows padded to a power of two,
+observations cut in pieces of the update period times a power of two, queries padded).
 
 :meth:`Companion.warm` compiles every bucket size a request can make ahead of the first request
 (``experiments/serve.py --warm_s``), cheapest first within a time budget.
@@ -55,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -66,93 +57,39 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from nested.companion import agent_file, buckets, inputs
+from nested.companion.inputs import (
+    AGENT_ID,
+    MAX_QUERIES,
+    MAX_QUERY_TOKENS,
+    MAX_STORED_TOKENS,
+    MAX_TOKENS,
+    CompanionError,
+    check_agent_id,
+)
 from nested.companion.store import DamagedState, Record, SQLiteStore, Store
+from nested.companion.text import encode_text, run_tokenizer
 from nested.core import inner, outer_loss, probes
 from nested.core.level import LevelState
-from nested.data import corpus
 from nested.run.sampling import stream_period
 
-AGENT_ID = "letters, digits, '_' and '-', 1 to 128 characters"
-MAX_TOKENS = 8192  # tokens per observe request
-MAX_QUERIES = 256  # queries per recall request
-MAX_QUERY_TOKENS = 512
-MAX_STORED_TOKENS = 2**63 - 1  # tokens observed: SQLite's INTEGER is a signed 64-bit int
-
-
-class CompanionError(ValueError):
-    """A request the companion refuses; the message names the field and the fix. ``status``:
-    the HTTP status the server answers with (400 a bad agent id, 409 an agent whose stored
-    state is damaged or of another model, 422 other bad input)."""
-
-    def __init__(self, message: str, status: int = 422):
-        super().__init__(message)
-        self.status = status
-
-
-def check_agent_id(agent_id: Any) -> str:
-    """``agent_id`` if it is a valid id (:data:`AGENT_ID`), else :class:`CompanionError`."""
-    ok = (
-        isinstance(agent_id, str)
-        and 1 <= len(agent_id) <= 128
-        and all(c.isascii() and (c.isalnum() or c in "_-") for c in agent_id)
-    )
-    if not ok:
-        shown = agent_id if not isinstance(agent_id, str) or len(agent_id) <= 40 else agent_id[:40]
-        raise CompanionError(f"agent id {shown!r} is not valid; use {AGENT_ID}", status=400)
-    return agent_id
+__all__ = [  # the public names (the limits and checks are inputs', run_tokenizer text's)
+    "AGENT_ID",
+    "MAX_QUERIES",
+    "MAX_QUERY_TOKENS",
+    "MAX_STORED_TOKENS",
+    "MAX_TOKENS",
+    "OTHER_STEPS",
+    "Companion",
+    "CompanionError",
+    "agent_bytes",
+    "check_agent_id",
+    "run_tokenizer",
+]
 
 
 def _is_level_state(x) -> bool:
     return isinstance(x, LevelState)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def _finite(tree) -> bool:
-    """Whether every floating-point value of ``tree``'s arrays is finite."""
-    return all(
-        np.all(np.isfinite(x))
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(np.asarray(x).dtype, jnp.inexact)
-    )
-
-
-def _describe(value) -> str:
-    if isinstance(value, np.ndarray):
-        return f"a {value.dtype} array of shape {value.shape}"
-    return f"{type(value).__name__} {value!r:.40}"
-
-
-def _check_like(value, template, where: str) -> None:
-    """Raise :class:`CompanionError` naming ``where`` unless ``value`` (a restored state dict)
-    has the structure, shapes and dtypes of ``template`` (the model's) and finite values."""
-    if isinstance(template, dict):
-        if not isinstance(value, dict):
-            raise CompanionError(f"import: {where}: expected a mapping, got {_describe(value)}")
-        missing, extra = sorted(set(template) - set(value)), sorted(set(value) - set(template))
-        if missing or extra:
-            raise CompanionError(
-                f"import: {where}: the keys differ from this model's state (missing "
-                f"{missing[:5]!r:.100}, unexpected {extra[:5]!r:.100})"
-            )
-        for key in template:
-            _check_like(value[key], template[key], f"{where}.{key}")
-    elif template is None:
-        if value is not None:
-            raise CompanionError(f"import: {where}: expected nothing, got {_describe(value)}")
-    elif (
-        not isinstance(value, np.ndarray)
-        or value.shape != template.shape
-        or value.dtype != template.dtype
-    ):
-        raise CompanionError(
-            f"import: {where}: expected a {template.dtype} array of shape {template.shape}, "
-            f"got {_describe(value)}"
-        )
-    elif not _finite(value):
-        raise CompanionError(f"import: {where}: has values that are not finite (NaN or inf)")
 
 
 class _Readout:
@@ -321,7 +258,7 @@ class Companion:
     def _decode(self, agent_id: str, record: Record):
         self.check_writer(record.fingerprint, f"agent {agent_id!r}: its stored state")
         state = serialization.from_bytes(self.template, record.state)
-        if not _finite(state):
+        if not inputs.finite(state):
             raise CompanionError(
                 f"agent {agent_id!r}: its stored state is not finite (NaN or inf); forget the "
                 f"agent or import a state exported before",
@@ -372,23 +309,10 @@ class Companion:
         reads = jnp.concatenate(reads, axis=-1) if reads else jnp.zeros((tokens.shape[0], 0))
         return ids, top, reads.astype(jnp.float32)
 
-    def _slab(self, states: list) -> Any:
-        """Rows stacked and padded with fresh states to a power of two."""
-        rows = states + [self.template] * (_pow2(len(states)) - len(states))
-        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
-
     def buckets(self) -> list[tuple[str, int, int]]:
         """Every ``(kind, rows, length)`` a request can make the jitted calls run, cheapest
-        first: rows a power of two up to the one ``max_batch`` pads to; observe pieces of
-        ``period * 2^j`` tokens up to :data:`MAX_TOKENS`, recall lengths the powers of two up
-        to :data:`MAX_QUERY_TOKENS` rounded up to a multiple of ``period``."""
-        rows = sorted({_pow2(n) for n in range(1, self.max_batch + 1)})
-        observe = [self.period << j for j in range(MAX_TOKENS.bit_length())]
-        observe = [n for n in observe if n <= MAX_TOKENS]
-        recall = {-(-_pow2(n) // self.period) * self.period for n in range(1, MAX_QUERY_TOKENS + 1)}
-        sizes = [("observe", r, n) for r in rows for n in observe]
-        sizes += [("recall", r, n) for r in rows for n in sorted(recall)]
-        return sorted(sizes, key=lambda size: (size[1] * size[2], size[0]))
+        first (:func:`nested.companion.buckets.sizes`)."""
+        return buckets.sizes(self.max_batch, self.period)
 
     def warm(self, budget_s: float) -> tuple[int, int, float]:
         """Compile and run once (on fresh states, nothing stored) the bucket sizes of
@@ -399,7 +323,7 @@ class Companion:
         for kind, rows, length in sizes:
             if time.perf_counter() - began >= budget_s:
                 break
-            slab = self._slab([self.template] * rows)
+            slab = buckets.slab([self.template] * rows, self.template)
             tokens = np.zeros((rows, length), np.int32)
             if kind == "observe":
                 mask = np.zeros((rows, length), np.float32)
@@ -413,53 +337,15 @@ class Companion:
     # -- the operations ----------------------------------------------------------------------
 
     def check_tokens(self, tokens: Any, field: str, *, limit: int, multiple: int = 1) -> np.ndarray:
-        """``tokens`` as int32 ``(n,)``: a non-empty list of ints in ``[0, vocab)``, or a
-        string that the tokenizer encodes to one, at most ``limit``, a multiple of
-        ``multiple`` long; else :class:`CompanionError`."""
-        what = "tokens"
-        if isinstance(tokens, str):
-            tokens, what = self.encode(tokens, field), "tokens (the text's encoding)"
-        try:
-            array = np.asarray(tokens)
-        except (TypeError, ValueError) as error:
-            raise CompanionError(f"{field}: must be a list of token ids ({error})") from error
-        if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
-            raise CompanionError(f"{field}: must be a non-empty list of integer token ids")
-        if array.size > limit:
-            raise CompanionError(f"{field}: {array.size} {what}, more than the limit {limit}")
-        if array.size % multiple:
-            raise CompanionError(
-                f"{field}: {array.size} {what}; this model updates every {multiple} tokens, so "
-                f"an observation is a multiple of {multiple} tokens"
-            )
-        low, high = int(array.min()), int(array.max())
-        if low < 0 or high >= self.vocab:
-            raise CompanionError(
-                f"{field}: token ids in [{low}, {high}], outside [0, {self.vocab}) (the model's "
-                f"vocabulary)"
-            )
-        return array.astype(np.int32)
+        """``tokens`` (ids, or text to encode) checked: :func:`nested.companion.inputs.check_tokens`
+        against this model's vocabulary."""
+        return inputs.check_tokens(
+            tokens, field, vocab=self.vocab, limit=limit, multiple=multiple, encode=self.encode
+        )
 
     def encode(self, text: str, field: str) -> np.ndarray:
-        """The token ids of ``text`` (the tokenizer's, without its special tokens); a
-        :class:`CompanionError` naming ``field`` without a tokenizer, for text of no token or
-        with words the tokenizer does not know (its unknown token: never served)."""
-        if self.tokenizer is None:
-            raise CompanionError(
-                f"{field}: text was given, but this companion has no tokenizer "
-                f"({self.tokenizer_error or 'its run has none'}); serve with --tokenizer=bytes or "
-                f"--tokenizer=<tokenizer.json>, or send token ids"
-            )
-        ids = self.tokenizer.encode(text)
-        if ids.size == 0:
-            raise CompanionError(f"{field}: the text encodes to no tokens; send some text")
-        unknown = self.tokenizer.unknown(text)
-        if unknown:
-            raise CompanionError(
-                f"{field}: the tokenizer does not know {sorted(set(unknown))[:5]!r:.200}; use "
-                f"words of its vocabulary"
-            )
-        return ids
+        """The token ids of ``text`` (:func:`nested.companion.text.encode_text`)."""
+        return encode_text(self.tokenizer, text, field, self.tokenizer_error)
 
     def observe(self, requests: Mapping[str, Sequence[int] | str]) -> dict[str, dict]:
         """Learn from each agent's ``tokens`` (ids, or text to encode); returns per agent
@@ -485,7 +371,7 @@ class Companion:
         out = {a: {"error": e} for a, e in errors.items()}
         # Each request in pieces of period * 2^j tokens, largest first; round r runs every
         # agent's r-th piece, one call per distinct piece length.
-        pieces = {a: self._pieces(len(requests[a])) for a in states}
+        pieces = {a: buckets.pieces(len(requests[a]), self.period) for a in states}
         offsets = dict.fromkeys(states, 0)
         for round_ in range(max((len(p) for p in pieces.values()), default=0)):
             by_length: dict[int, list[str]] = {}
@@ -499,7 +385,7 @@ class Companion:
         records = {}
         for a, state in states.items():
             total = tokens[a] + len(requests[a])
-            if not _finite(state):
+            if not inputs.finite(state):
                 out[a] = {
                     "error": f"agent {a!r}: this observe would leave its state non-finite (NaN "
                     f"or inf); refused, the stored state is kept as it was"
@@ -513,17 +399,8 @@ class Companion:
             self.store.put_many(records)
         return out
 
-    def _pieces(self, n: int) -> list[int]:
-        units, out, size = n // self.period, [], 1
-        while units:
-            if units & 1:
-                out.append(size * self.period)
-            units >>= 1
-            size <<= 1
-        return out[::-1]
-
     def _run_piece(self, agents, states, requests, offsets, length) -> dict[str, Any]:
-        rows = _pow2(len(agents))
+        rows = buckets.pow2(len(agents))
         tokens = np.zeros((rows, length), np.int32)
         targets = np.zeros((rows, length), np.int32)
         mask = np.zeros((rows, length), np.float32)
@@ -533,9 +410,9 @@ class Companion:
             following = request[at + 1 : at + length + 1]  # the next token of the request
             targets[i, : following.size] = following
             mask[i, : following.size] = 1.0
-        slab = self._slab([states[a] for a in agents])
+        slab = buckets.slab([states[a] for a in agents], self.template)
         new = jax.device_get(self._observe(self.params, slab, tokens, targets, mask))
-        return {a: jax.tree.map(lambda x, i=i: x[i : i + 1], new) for i, a in enumerate(agents)}
+        return {a: buckets.row(new, i) for i, a in enumerate(agents)}
 
     def recall(self, requests: Mapping[str, Sequence[Sequence[int] | str]]) -> dict[str, dict]:
         """For each agent, each query's (ids, or text to encode) ``top_k`` next tokens with
@@ -563,7 +440,7 @@ class Companion:
         start = 0
         for a in states:  # the rows are grouped by agent, in this order
             mine, start = results[start : start + len(checked[a])], start + len(checked[a])
-            if not all(_finite((r["probs"], r["readout"])) for r in mine):
+            if not all(inputs.finite((r["probs"], r["readout"])) for r in mine):
                 out[a] = {"error": f"agent {a!r}: the model's answer from its state is not finite"}
                 continue
             out[a] = {
@@ -575,14 +452,13 @@ class Companion:
         return out
 
     def _recall_rows(self, rows, states) -> list[dict]:
-        n = _pow2(len(rows))
-        length = _pow2(max(len(q) for _, q in rows))
-        length = -(-length // self.period) * self.period
+        n = buckets.pow2(len(rows))
+        length = buckets.query_length(max(len(q) for _, q in rows), self.period)
         tokens = np.zeros((n, length), np.int32)
         last = np.zeros((n,), np.int32)
         for i, (_, q) in enumerate(rows):
             tokens[i, : len(q)], last[i] = q, len(q) - 1
-        slab = self._slab([states[a] for a, _ in rows])
+        slab = buckets.slab([states[a] for a, _ in rows], self.template)
         ids, probs, reads = jax.device_get(self._recall(self.params, slab, tokens, last))
         return [
             {"tokens": ids[i], "probs": probs[i], "readout": reads[i]} for i in range(len(rows))
@@ -642,16 +518,10 @@ class Companion:
         if isinstance(record, DamagedState):
             raise CompanionError(str(record), status=409)
         if record is None:
-            state, fingerprint, tokens = (
-                serialization.to_state_dict(self.fresh()),
-                self.fingerprint,
-                0,
-            )
-        else:
-            state = serialization.msgpack_restore(record.state)
-            fingerprint, tokens = record.fingerprint, record.tokens
-        content = {"fingerprint": fingerprint, "tokens": tokens, "state": state}
-        return serialization.msgpack_serialize(content)
+            state = serialization.to_state_dict(self.fresh())
+            return agent_file.write(self.fingerprint, 0, state)
+        state = serialization.msgpack_restore(record.state)
+        return agent_file.write(record.fingerprint, record.tokens, state)
 
     def import_agent(self, agent_id: str, data: bytes) -> int:
         """Store a state exported by :meth:`export_agent` as ``agent_id``'s, keeping the
@@ -660,60 +530,18 @@ class Companion:
         docstring); a file that fails is refused with :class:`CompanionError` naming what is
         wrong, and nothing is written."""
         check_agent_id(agent_id)
-        try:
-            content = serialization.msgpack_restore(data)
-        except Exception as error:  # noqa: BLE001 - any malformed file is the caller's
-            raise CompanionError(f"import: not a companion state file ({error!r:.200})") from error
-        if not isinstance(content, dict) or {"fingerprint", "tokens", "state"} - set(content):
-            raise CompanionError(
-                "import: not a companion state file (expected a mapping with 'fingerprint', "
-                "'tokens' and 'state', as export writes)"
-            )
-        fingerprint, tokens = content["fingerprint"], content["tokens"]
-        if not isinstance(fingerprint, str):
-            raise CompanionError(
-                f"import: fingerprint: expected a string, got {_describe(fingerprint)}"
-            )
-        if type(tokens) is not int or not 0 <= tokens <= MAX_STORED_TOKENS:
-            raise CompanionError(
-                f"import: tokens: expected an integer in [0, {MAX_STORED_TOKENS}], got "
-                f"{_describe(tokens)}"
-            )
+        fingerprint, tokens, state = agent_file.read(data)
         try:
             self.check_writer(fingerprint, "import: the state")
         except CompanionError as error:
             raise CompanionError(str(error)) from None  # a bad request, not a conflict
-        _check_like(content["state"], serialization.to_state_dict(self.template), "state")
-        state = serialization.from_state_dict(self.template, content["state"])
+        agent_file.check_state(state, serialization.to_state_dict(self.template))
+        state = serialization.from_state_dict(self.template, state)
         self.store.put_many({agent_id: Record(serialization.to_bytes(state), fingerprint, tokens)})
         return tokens
 
 
 OTHER_STEPS = ("serve", "refuse")
-
-
-def run_tokenizer(task, vocab: int, given: str | None = None) -> corpus.Tokenizer | None:
-    """The tokenizer a companion takes text with: ``given`` ``"bytes"`` or the path of a
-    ``tokenizer.json``; None: the run's ``task``'s own (``task.text_tokenizer()``: a prepared
-    corpus's, a text companion task's), or None when it has none. A :class:`CompanionError`
-    names ``--tokenizer`` when it cannot be read or its ids exceed the model's ``vocab``."""
-    where = f"--tokenizer={given}" if given else f"the run's task ({task.name}) tokenizer"
-    try:
-        if given == "bytes":
-            tokenizer = corpus.bytes_tokenizer()
-        elif given is not None:
-            tokenizer = corpus.load_tokenizer(given)
-        else:
-            own = getattr(task, "text_tokenizer", None)
-            tokenizer = None if own is None else own()
-    except ValueError as error:  # corpus.PrepareError (naming --tokenizer), a task's error
-        raise CompanionError(str(error) if given else f"{where}: {error}") from None
-    if tokenizer is not None and tokenizer.vocab_size > vocab:
-        raise CompanionError(
-            f"{where}: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
-            f"({vocab}); pass the tokenizer the run trained with"
-        )
-    return tokenizer
 
 
 def _fingerprint(text: str) -> dict:

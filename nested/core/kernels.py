@@ -9,7 +9,7 @@ truncation) against each registered kernel's ``mismatch``, which names the first
 kernel does not implement (or returns None), so a level whose rule is replaced
 (``dataclasses.replace(level, update=...)``) gets the kernel of its new declaration or none.
 
-Every kernel carries ``examples``: levels it implements. ``tests/test_kernels.py`` runs each
+Every kernel carries ``examples``: levels it implements. ``tests/core/test_kernels.py`` runs each
 registered kernel on each of its examples against the generic path (values and gradients,
 float64, lengths that are not a multiple of the chunk), so registering a kernel registers its
 proof. Kernels are tried in registration order; the first that matches runs.
@@ -33,7 +33,7 @@ state every such document starts from. A kernel with ``documents=True`` runs eac
 if alone (the first from the given state, every later one from ``initial``, update periods
 counted from each document's start; outputs concatenated, the final state the last
 document's), values and gradients, by splitting its chunks at the starts
-(:mod:`nested.ops.documents`); ``tests/test_kernel_documents.py`` proves it on every example.
+(:mod:`nested.ops.documents`); ``tests/core/test_kernel_documents.py`` proves it on every example.
 Every kernel here does (``atlas`` too: its Omega window holds none of an earlier document's
 samples); for a context with starts the generic path runs in place of a kernel registered
 without ``documents``.

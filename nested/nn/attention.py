@@ -15,7 +15,7 @@ FlashAttention recurrence; Dao et al., "FlashAttention: Fast and Memory-Efficien
 Attention with IO-Awareness", arXiv:2205.14135), each block's mask computed from positions and
 recomputed in the backward pass: memory grows as ``T x BLOCK`` instead of ``T x S``, work as
 ``T x (BLOCK + window)`` or, without a window, half the causal square.
-``tests/test_attention.py`` holds it equal to :func:`attend` in values and gradients.
+``tests/nn/test_attention.py`` holds it equal to :func:`attend` in values and gradients.
 """
 
 from __future__ import annotations

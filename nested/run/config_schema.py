@@ -399,7 +399,7 @@ def accepted(config: config_dict.ConfigDict) -> dict[str, cf.Fields]:
 
 def registered() -> dict[str, cf.Fields]:
     """The keys of every registered level recipe, model, task and optimizer, and of the
-    settings (``tests/config_keys.txt`` is their :func:`~nested.run.config_fields.listing`)."""
+    settings (``tests/docs/config_keys.txt`` is their :func:`~nested.run.config_fields.listing`)."""
     return {
         **{f"levels[rule={rule}]": level_fields(rule) for rule in sorted(recipes.named())},
         **{f"model[name={name}]": model_fields(name) for name in sorted(MODELS)},

@@ -15,7 +15,7 @@ Conventions.
   short causal convolution (``2 w`` per feature, a contraction over its ``w`` taps). Not
   counted: elementwise work (norms, activations, gates, masks, softmax, RoPE, the loss), which
   XLA's ``cost_analysis`` adds at 1 FLOP per element (1-17% of its total at the ``tiny`` size,
-  ``tests/test_flops.py``), and the embedding (a gather).
+  ``tests/run/test_flops.py``), and the embedding (a gather).
 * Products are counted as the kernels compute them: a chunk's masked ``C x C`` products whole
   (the chunkwise form's cost, not a per-token recurrence's), every chunk of a sequence
   including the last one's state update (the steady state of a long sequence; a compiler may

@@ -4,7 +4,7 @@ The *memory state* of a program is its carried fast state (``nested.State.fast``
 :class:`nested.LevelState` per memory, with a leading batch dim (one stream per row), for the
 levels with ``persist="stream"``. Saving it after a session and loading it at the start of
 the next one continues every stream exactly where it stopped: the result equals one session
-over both streams (``tests/test_checkpoint.py`` checks it). The slow parameters are not part
+over both streams (``tests/run/test_checkpoint.py`` checks it). The slow parameters are not part
 of it; they come from the run's checkpoint.
 
 Stored atomically with :func:`nested.run.checkpoint.save_tree`, with the level names, the

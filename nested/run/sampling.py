@@ -5,7 +5,7 @@ As flax's and gemma's samplers: a prefill of the prompt, then one jitted step pe
 over a buffer of fixed size, so nothing compiles per number of tokens (the prefill compiles
 per prompt length). The result is exact: the returned fast state is the one a single
 ``program.apply`` over the prompt and its continuation ends with, and every token is drawn
-from the logits that call gives at its position (``tests/test_sampling.py``).
+from the logits that call gives at its position (``tests/run/test_sampling.py``).
 
 **Cutting a stream.** A level updating at every token continues a stream cut anywhere; one
 with a period ``every = C`` (mini-batch TTT, chunked Titans) and a memory-as-context segment of

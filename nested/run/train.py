@@ -26,7 +26,7 @@ Training batch ``i`` is ``task.batch(i, batch_size)``, a pure function of ``i``,
 position is the next ``i`` and a resumed run sees the batches an uninterrupted one would:
 on CPU it reproduces the uninterrupted run's metrics exactly, however often it was killed.
 On N devices the losses equal one device's up to float summation order
-(``tests/test_sharding.py``).
+(``tests/run/test_sharding.py``).
 """
 
 from __future__ import annotations
