@@ -4,7 +4,6 @@ Isolation, bad input, durability across SIGKILL and restart, a damaged state row
 concurrent clients, each checked against the Python API replaying the same events.
 """
 
-import contextlib
 import hashlib
 import http.client
 import http.server
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 from flax import serialization
 from helpers import tiny_configs
+from helpers.companion import KEY, assert_error_shape, http_request
 
 from nested.companion.client import SERVE, Client, ServerProcess
 from nested.companion.engine import Companion, CompanionError
@@ -37,8 +37,6 @@ from nested.run.locks import Busy
 
 sys.path.insert(0, str(tiny_configs.ROOT / "experiments"))
 from studies.companion import baselines, study  # noqa: E402
-
-KEY = "test-key-0123"
 
 
 @pytest.fixture(scope="module")
@@ -400,27 +398,6 @@ ENDPOINTS = [
     ("GET", "/agents/b/export"),
     ("PUT", "/agents/b/import"),
 ]
-
-
-def http_request(server, method, path, body=b"", *, key=KEY, headers=()):
-    """``(status, headers, decoded JSON or bytes)`` of one raw request (http.client: nothing
-    between the test and the server)."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    sent = {"content-type": "application/json", **dict(headers)}
-    if key is not None:
-        sent["authorization"] = f"Bearer {key}"
-    connection.request(method, path, body, sent)
-    response = connection.getresponse()
-    content = response.read()
-    connection.close()
-    with contextlib.suppress(ValueError):
-        content = json.loads(content)
-    return response.status, {k.lower(): v for k, v in response.getheaders()}, content
-
-
-def assert_error_shape(content):
-    assert isinstance(content, dict) and list(content) == ["error"], content
-    assert isinstance(content["error"], str) and "\n" not in content["error"]
 
 
 def chunked(server, path, chunks, *, key=KEY, end=True):

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from helpers import tiny_configs
+from helpers.companion import events, text_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from nested import data
@@ -15,7 +16,7 @@ from nested.companion.client import ServerProcess
 from nested.companion.engine import MAX_QUERY_TOKENS, Companion, CompanionError
 from nested.companion.store import SQLiteStore
 from nested.run import config as nc
-from nested.run import loading, train
+from nested.run import loading
 
 sys.path.insert(0, str(tiny_configs.ROOT / "experiments"))
 from studies.companion import baselines, study  # noqa: E402
@@ -25,22 +26,7 @@ TASK = data.CompanionTask(num_features=8, num_labels=4, events=4, sessions=2, te
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """The tiny companion config, text variant, trained a few steps."""
-    path = tmp_path_factory.mktemp("companion_text")
-    train.train_and_evaluate(tiny_configs.config("companion", task__text=True), path)
-    return path
-
-
-def events(task, seed, count=1):
-    """``count`` sequences of agent 0 in session 0: ``(text, token ids)``."""
-    rng = np.random.default_rng(seed)
-    agent = task.agent(0, 0)
-    sentences, ids = [], []
-    for _ in range(count):
-        inputs, answers = task.sequence(agent, 0, rng)
-        sentences += [task.sentence(x, y) for x, y in zip(inputs, answers, strict=True)]
-        ids += task.encode(inputs, answers).tolist()
-    return " ".join(sentences), ids
+    return text_run(tmp_path_factory)
 
 
 def test_the_text_task_is_the_id_task_in_sentences():

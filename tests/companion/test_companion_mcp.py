@@ -1,7 +1,7 @@
 """The companion's MCP server against the MCP SDK's own client: the real server process over
 stdio and over streamable HTTP, on a real SQLite file, answering as the HTTP API does.
 
-The tiny text-task run of ``test_companion_text`` serves both token ids and text."""
+The tiny text-task run (``helpers.companion.text_run``) serves both token ids and text."""
 
 import asyncio
 import json
@@ -11,13 +11,24 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.companion import (
+    KEY,
+    assert_error_shape,
+    events,
+    http_request,
+    text_run,
+)
 from mcp import MCPError
-from test_companion import KEY, assert_error_shape, http_request
-from test_companion_text import events, workdir  # noqa: F401 - the module's trained run
 
 from nested.companion.checks import Observation, Queries
 from nested.companion.client import SERVE, ServerProcess, mcp_session
 from nested.run import loading
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return text_run(tmp_path_factory)
+
 
 TOOLS = {"observe", "recall", "describe", "health", "forget", "export"}
 
