@@ -142,7 +142,14 @@ def plot(runs: Runs, entries: dict) -> None:
     ax.set_title("Python documentation, BPE 8192: train (lines), held-out (points)")
     ax.legend()
     ax.grid(alpha=0.3)
-    path = runs.page / CURVES
+    save_figure(fig, runs, CURVES)
+
+
+def save_figure(fig, runs: Runs, name: str) -> None:
+    """Write the matplotlib figure ``fig`` to ``name`` under the page's directory and close it."""
+    import matplotlib.pyplot as plt
+
+    path = runs.page / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -73,11 +73,7 @@ def plot(runs: Runs, found: dict) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")
     axes[-1].legend(fontsize=8)
-    path = runs.page / FIGURE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    lm.save_figure(fig, runs, FIGURE)
 
 
 def render(runs: Runs) -> str:
