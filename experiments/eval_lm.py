@@ -7,7 +7,11 @@ another folder prepared with the same tokenizer), mean nll by position in window
 ``--max_len`` (default 4 x the trained length; a multiple of it), and zero-shot multiple choice
 by log-likelihood (lm-evaluation-harness ``loglikelihood``: acc, acc_norm, acc_bytes) on local
 JSONL files, ``--tasks=name=path.jsonl,...``, one ``{"context": str, "choices": [str, ...],
-"answer": int}`` per line. ``--batch_size`` rows per call (default ``train.eval_batch_size``).
+"answer": int}`` per line. RULER's single-needle tasks,
+``--needle=niah_single_1,niah_single_2``: accuracy of greedy answers by context length
+(``--needle_lengths``, default 1024,2048,4096,8192 tokens) over ``--needle_samples`` needles
+per length, swept through the context (``nested.run.needle``).
+``--batch_size`` rows per call (default ``train.eval_batch_size``).
 Bad input ends in one line, ``error: ...``, before anything is compiled. Everything is in
 ``nested.run.lm_eval``.
 
@@ -16,7 +20,7 @@ Example: ``python experiments/eval_lm.py --workdir runs/lm --tasks=copa=data/cop
 
 from absl import flags
 
-from nested.run import choice, cli, lm_eval
+from nested.run import choice, cli, lm_eval, needle
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run to evaluate.")
 _DATA = flags.DEFINE_string("data", None, "Prepared folder to score; default: the run's.")
@@ -24,6 +28,14 @@ _TASKS = flags.DEFINE_list("tasks", [], "Multiple-choice tasks: name=path.jsonl,
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Window of nll by position; default 4 x T.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Rows per call; default the run's.")
 _OUT = flags.DEFINE_string("out", None, "Results file; default DIR/eval_lm.json.")
+_NEEDLE = flags.DEFINE_list("needle", [], f"RULER needle tasks: some of {list(needle.TASKS)}.")
+_NEEDLE_LENGTHS = flags.DEFINE_list(
+    "needle_lengths", [str(n) for n in needle.LENGTHS], "Needle context lengths, in tokens."
+)
+_NEEDLE_SAMPLES = flags.DEFINE_integer("needle_samples", 50, "Needles per task and length.")
+_NEEDLE_NEW_TOKENS = flags.DEFINE_integer(
+    "needle_new_tokens", needle.NEW_TOKENS, "Tokens generated per needle answer."
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -37,6 +49,10 @@ def main(argv):
             max_len=_MAX_LEN.value,
             batch_size=_BATCH_SIZE.value,
             out=_OUT.value,
+            needle_tasks=_NEEDLE.value,
+            needle_lengths=needle.parse_lengths(_NEEDLE_LENGTHS.value),
+            needle_samples=_NEEDLE_SAMPLES.value,
+            needle_new_tokens=_NEEDLE_NEW_TOKENS.value,
         )
 
 

@@ -37,11 +37,17 @@ PREPARE = (
 DOCUMENTS = ("task.documents", False)  # documents packed without restarts, as flame trains
 STEPS = 120  # Hope, the slowest, takes about 14 s a step here: 28 minutes
 CURVES = "benchmarks/figures/lm_real_text.png"  # committed beside RESULTS.md
+# The "RULER single needle" section's measurement, made by the same eval_lm run: 32 needles per
+# task and length (2 batches of 16) keep a model's needles within minutes on the CPU.
+NEEDLE = ("--needle=niah_single_1,niah_single_2", "--needle_samples=32")
 
 
 def rows() -> list[Row]:
     overrides = (("task.path", CORPUS), ("train.steps", STEPS), DOCUMENTS)
-    return [Row(f"lm/{m}", f"configs/lm.py:{m}-small", overrides, after=(SCRIPT,)) for m in MODELS]
+    return [
+        Row(f"lm/{m}", f"configs/lm.py:{m}-small", overrides, after=(SCRIPT, *NEEDLE))
+        for m in MODELS
+    ]
 
 
 def prepare_corpus() -> None:
@@ -136,7 +142,14 @@ def plot(runs: Runs, entries: dict) -> None:
     ax.set_title("Python documentation, BPE 8192: train (lines), held-out (points)")
     ax.legend()
     ax.grid(alpha=0.3)
-    path = runs.page / CURVES
+    save_figure(fig, runs, CURVES)
+
+
+def save_figure(fig, runs: Runs, name: str) -> None:
+    """Write the matplotlib figure ``fig`` to ``name`` under the page's directory and close it."""
+    import matplotlib.pyplot as plt
+
+    path = runs.page / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

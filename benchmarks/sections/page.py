@@ -9,10 +9,21 @@ from collections.abc import Sequence
 
 import report
 
-from sections import char_lm, companion, continual, frequencies, lm, mqar, niah, plasticity, text
+from sections import (
+    char_lm,
+    companion,
+    continual,
+    frequencies,
+    lm,
+    mqar,
+    niah,
+    plasticity,
+    ruler,
+    text,
+)
 from sections.rows import Row, Runs, Section
 
-PAGE = (mqar, char_lm, niah, continual, plasticity, frequencies, companion, lm)
+PAGE = (mqar, char_lm, niah, continual, plasticity, frequencies, companion, lm, ruler)
 SECTIONS: dict[str, Section] = {s.name: s for module in PAGE for s in module.SECTIONS}
 _OBSERVATIONS = re.compile(r"^## Observations\n.*?(?=^## |\Z)", re.M | re.S)
 

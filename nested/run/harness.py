@@ -47,7 +47,8 @@ the last batch padded with masked copies, so each kind compiles once (twice wher
 lie on the program's ``document_grid`` in some rows only). Generations run in groups of equal
 prompt length and settings, rows padded to a power of two, prompts read in pieces of ``2^j P``
 tokens (P: :func:`nested.run.sampling.stream_period`), so the prefill compiles once per piece
-size; a prompt of n <= P last tokens starts the sampler.
+size; a prompt of n <= P last tokens starts the sampler (the whole prompt, for a model attending
+to the whole stream: :func:`nested.run.sampling.whole_stream_layers`).
 
 **Bad input** raises :class:`nested.run.config.ConfigError` naming the ``model_args`` field or
 the request and the fix, before anything is compiled where it can be.
@@ -327,9 +328,12 @@ class NestedLM(LM):
         program, params = self.trained.program, self.trained.state.params
         rows = 1 << (len(prompts) - 1).bit_length()  # padded to a power of two
         tokens = np.array(prompts + [prompts[-1]] * (rows - len(prompts)), np.int32)
-        fast = program.start_fast(params, rows)
+        whole = bool(sampling.whole_stream_layers(program.model(params)))
+        fast = None if whole else program.start_fast(params, rows)
         period = sampling.stream_period(program, params)
         head = len(prompts[0]) - ((len(prompts[0]) - 1) % period + 1)  # a multiple of P
+        if whole:
+            head = 0  # no cut continues its stream: the sampler reads the prompt whole
         done = 0
         while done < head:  # pieces of 2^j P tokens, largest first
             size = period * (1 << (((head - done) // period).bit_length() - 1))

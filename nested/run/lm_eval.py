@@ -1,12 +1,13 @@
 """Language-model evaluation of a trained run: ``evaluate_lm(workdir, ...)`` (``experiments/
 eval_lm.py``): perplexity and bits per byte, perplexity by position past the trained length,
-zero-shot multiple choice.
+zero-shot multiple choice, RULER's single-needle tasks by context length.
 
 The run is a workdir of ``experiments/train.py`` trained on the task ``tokens`` (a corpus of
 ``experiments/prepare.py``), scored on the ``val`` split of a prepared folder (the run's
 ``task.path``, or ``data``: a folder of the same tokenizer) by its own ``Program.apply``. The
 perplexity of that split, whole and by position: :mod:`nested.run.perplexity`; the
-multiple-choice tasks: :mod:`nested.run.choice`.
+multiple-choice tasks: :mod:`nested.run.choice`; the needle tasks (``needle_tasks``, greedy
+generation from prompts of the run's tokenizer): :mod:`nested.run.needle`.
 
 **Output.** ``eval_lm.json`` in the workdir (or ``out``), a printed table, and the scalars at
 the checkpoint's step through :class:`nested.run.metrics.MetricWriter` in ``<workdir>/eval_lm``
@@ -18,25 +19,34 @@ per task), apart from the run's own metrics.
 before anything is compiled: a workdir without a run or a checkpoint, a run not trained on the
 task ``tokens``, a data folder that is not a prepared corpus or whose tokenizer is not the
 run's, a ``max_len`` that is not a multiple of T, a task file that is missing, not JSONL, lacks
-a field, has an answer out of range, a continuation longer than T tokens, or no example.
+a field, has an answer out of range, a continuation longer than T tokens, or no example; a
+needle task that is unknown, a needle length too short for its prompt or longer than the val
+split can fill, or a corpus without its tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nested import files
 from nested.data import TokensTask, corpus
-from nested.run import checkpoint, metrics, rundir
+from nested.run import checkpoint, metrics, needle, rundir
 from nested.run import config as config_lib
 from nested.run.choice import choice_metrics, loglikelihoods, make_requests, read_task
 from nested.run.config import ConfigError
 from nested.run.loading import Trained
-from nested.run.perplexity import POSITION, SPLIT, by_position, make_score_fn, perplexity
+from nested.run.perplexity import (
+    POSITION,
+    SPLIT,
+    by_position,
+    make_score_fn,
+    perplexity,
+    val_stream,
+)
 
 RESULTS_FILE = "eval_lm.json"
 METRICS_DIR = "eval_lm"  # <workdir>/eval_lm: the MetricWriter's metrics.jsonl and TensorBoard
@@ -107,6 +117,10 @@ def evaluate_lm(
     max_len: int | None = None,
     batch_size: int | None = None,
     out: str | Path | None = None,
+    needle_tasks: Sequence[str] = (),
+    needle_lengths: Sequence[int] = needle.LENGTHS,
+    needle_samples: int = 50,
+    needle_new_tokens: int = needle.NEW_TOKENS,
 ) -> dict[str, Any]:
     """Evaluate the latest checkpoint of ``workdir`` (module docstring) and return the results
     written to ``out`` (default ``<workdir>/eval_lm.json``).
@@ -114,7 +128,9 @@ def evaluate_lm(
     ``data``: a prepared folder to score instead of the run's ``task.path``; ``tasks``: ``{name:
     task file}`` of multiple-choice tasks; ``max_len``: the window of perplexity by position
     (default 4 x the trained ``seq_len``); ``batch_size``: rows per call (default
-    ``train.eval_batch_size``). Everything is checked before anything is compiled.
+    ``train.eval_batch_size``); ``needle_tasks``: RULER tasks (:data:`nested.run.needle.TASKS`) at
+    context lengths ``needle_lengths``, ``needle_samples`` samples each, ``needle_new_tokens``
+    generated. Everything is checked before anything is compiled.
     """
     workdir = Path(workdir)
     directory = rundir.check_run(workdir)
@@ -141,12 +157,30 @@ def evaluate_lm(
             f"--max_len={max_len}: the val split of {task.path} has {tokens} tokens, fewer than "
             f"one window; lower --max_len (a multiple of {seq_len}) or use a larger val split"
         )
-    requests = {}
-    if tasks:
+    requests, needles = {}, []
+    if tasks or needle_tasks:
         try:
             tokenizer = corpus.prepared_tokenizer(task.path, task.index)
         except corpus.PrepareError as error:
             raise ConfigError(str(error)) from None
+    if needle_tasks:
+        for name, value in (
+            ("needle_samples", needle_samples),
+            ("needle_new_tokens", needle_new_tokens),
+            *(("needle_lengths", n) for n in needle_lengths),
+        ):
+            _positive(name, value)
+        needles = needle.make_requests(
+            tokenizer,
+            needle_tasks,
+            needle_lengths,
+            needle_samples,
+            documents=task.documents,
+            val_tokens=val_stream(task),
+            where=str(task.path),
+            new_tokens=needle_new_tokens,
+        )
+    if tasks:
         for name, path in tasks.items():
             examples = read_task(path)
             where = f"task {name} ({path})"
@@ -163,10 +197,15 @@ def evaluate_lm(
         SPLIT: perplexity(trained, task, batch_size, score),
         POSITION: by_position(trained, task, max_len, batch_size, score),
         "tasks": {},
+        "needle": {},
     }
     for name, (examples, made) in requests.items():
         lls = loglikelihoods(trained, made, batch_size, score)
         result["tasks"][name] = {"path": str(tasks[name]), **choice_metrics(examples, lls)}
+    if needles:
+        result["needle"] = needle.needle_metrics(
+            trained, tokenizer, needles, batch_size, needle_new_tokens
+        )
 
     out = workdir / RESULTS_FILE if out is None else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +226,8 @@ def scalars(result: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     out[POSITION].update({f"nll_from_{b['start']}": b["nll"] for b in pos["buckets"]})
     for name, values in result["tasks"].items():
         out[name] = {k: values[k] for k in ("acc", "acc_norm", "acc_bytes")}
+    for name, values in result["needle"].items():
+        out[name] = {f"acc_{n}": r["accuracy"] for n, r in values["lengths"].items()}
     return out
 
 
@@ -227,4 +268,11 @@ def format_results(result: Mapping[str, Any]) -> str:
                 f"{r['examples']:>8}  {r['acc']:6.4f}  {r['acc_norm']:8.4f}  {r['acc_bytes']:9.4f}"
             )
             lines.append(f"  {name:<{width}}  {cells}")
+    for name, values in result["needle"].items():
+        lines.append(f"  {name} (accuracy, Wilson 95% interval, by context length):")
+        for n, r in values["lengths"].items():
+            interval = f"[{r['low']:.3f}, {r['high']:.3f}]"
+            lines.append(
+                f"    {n:>6}  {r['correct']:>4}/{r['samples']:<4} {r['accuracy']:6.3f}  {interval}"
+            )
     return "\n".join(lines)

@@ -17,6 +17,15 @@ state (the model is causal: the logits at position ``n - 1`` do not see the unus
 draws the next token from them, and once the buffer is full moves the state on by it. A step
 costs ``P`` tokens of compute.
 
+**Whole-stream attention.** A layer attending to every earlier token of its call (attention
+with ``window=None`` outside Titans MAC segments: :func:`whole_stream_layers`) keeps none of
+them in its state, so no cut would continue its stream. The sampler runs such a model with
+those layers' window set to ``W = L + max_new_tokens`` (:func:`reaching`): a sliding window
+wider than the sequence attends to every earlier token, exactly as ``window=None`` over the
+whole sequence, and its cache keeps the last ``W - 1`` keys and values, so each step reads the
+cache and its new token. Such a model starts from a fresh state (``fast=None``), and the
+returned ``fast`` is that of ``reaching(program, W)``.
+
 **Drawing.** ``temperature=0``: greedy (argmax). Else a draw from
 ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely tokens when given;
 draw ``i`` uses ``fold_in(rng, i)``, so a seed fixes the continuation. A row stops after any
@@ -31,6 +40,7 @@ Levels learning from the outer loss (CMS blocks) read their state without learni
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
@@ -43,7 +53,8 @@ import numpy as np
 from flax import nnx
 
 from nested.core.scheduler import Program
-from nested.nn.hybrid import MemoryAsContext
+from nested.nn.attention import SlidingWindowAttention
+from nested.nn.hybrid import AdaTransformerMixer, MemoryAsContext
 
 
 class SamplingError(ValueError):
@@ -84,6 +95,33 @@ def stream_period(program: Program, params, *, learning: bool = False) -> int:
     if learning and spans:
         periods.append(min(spans))
     return math.lcm(*periods)
+
+
+def whole_stream_layers(model: nnx.Module) -> list[nnx.Module]:
+    """The layers of ``model`` that attend to every earlier token of their call (``window=None``;
+    within Titans MAC segments attention spans a segment, which :func:`stream_period` cuts)."""
+    modules = list(nnx.iter_modules(model))
+    segments = [path for path, module in modules if isinstance(module, MemoryAsContext)]
+    return [
+        module
+        for path, module in modules
+        if isinstance(module, SlidingWindowAttention | AdaTransformerMixer)
+        and module.window is None
+        and not any(path[: len(s)] == s for s in segments)
+    ]
+
+
+@functools.lru_cache(maxsize=16)
+def reaching(program: Program, window: int) -> Program:
+    """``program`` with the window of its :func:`whole_stream_layers` set to ``window`` tokens:
+    on sequences of at most ``window`` tokens it computes what ``program`` computes (the same
+    parameters), and its attention caches keep ``window - 1`` keys."""
+    model = nnx.merge(program.graphdef, program._abstract_params)  # shapes only
+    for layer in whole_stream_layers(model):
+        layer.window = window
+    out = copy.copy(program)
+    out.graphdef = nnx.split(model)[0]
+    return out
 
 
 @functools.partial(jax.jit, static_argnames="program")
@@ -168,6 +206,14 @@ def generate(
         _count(token, "stop token", 0, program.vocab - 1)
     if not isinstance(rng, numbers.Integral | jax.Array) or isinstance(rng, bool):
         raise SamplingError(f"rng={rng!r} must be a seed (an int) or a jax.random key")
+    whole = bool(whole_stream_layers(program.model(params)))
+    if whole and fast is not None:
+        raise SamplingError(
+            "fast: this model attends to its whole stream (attention window=None) and keeps no "
+            "state of it to continue; pass fast=None (and the whole stream as the prompt)"
+        )
+    if whole:
+        program = reaching(program, L + max_new_tokens)
     if fast is None:
         fast = program.start_fast(params, B)
     batch = {leaf.shape[0] for leaf in jax.tree.leaves(fast)}

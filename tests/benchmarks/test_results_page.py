@@ -276,3 +276,42 @@ def test_dry_run_commands(page):
         "--config.train.steps=120 --config.task.documents=False",
     ]
     assert [c for c in expected if c not in commands] == []
+
+
+def _needle(*tasks: str) -> dict:
+    """An eval_lm.json ``needle`` of ``tasks`` at 1K and 2K (accuracy 0.5 and 0.25)."""
+    result = lambda acc: {"samples": 32, "accuracy": acc, "low": acc - 0.2, "high": acc + 0.25}
+    lengths = {"1024": result(0.5), "2048": result(0.25)}
+    return {t: {"new_tokens": 32, "lengths": lengths} for t in tasks}
+
+
+def test_ruler_section(tmp_path, monkeypatch):
+    """The RULER section from the needle results of the lm/ rows' eval_lm.json: a table row per
+    model and task (a task a row did not measure: dashes), the figure; no section without any."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from sections import page, rows, ruler
+
+    config = {"task": {"seq_len": 256}, "train": {"batch_size": 16}}
+    for name, tasks in (("transformer", ruler.needle.TASKS), ("hope", ("niah_single_1",))):
+        result = {**_eval_lm(0.0), "needle": _needle(*tasks)}
+        _row(tmp_path, f"lm/{name}", 900.0, files={"eval_lm.json": result, "config.json": config})
+    _row(tmp_path, "lm/deltanet", 900.0, files={"eval_lm.json": _eval_lm(0.0)})  # no needle
+    runs = rows.Runs(rows.load(page.rows([64]), tmp_path), tmp_path, tmp_path)
+    section = page.SECTIONS["ruler"].render(runs)
+    assert section.startswith("## RULER single needle\n") and "the 32 needles" in section
+    cells = "50.0 [30.0, 75.0] | 25.0 [5.0, 50.0]"
+    row = lambda model, task, cells: (
+        f"| {model} | `{task}` | {cells} | `python train lm/{model}`; `python after lm/{model}` |"
+    )
+    assert [line for line in section.splitlines() if line.startswith("|")] == [
+        "| model | task | 1K | 2K | command |",
+        "|---|---|---|---|---|",
+        row("transformer", "niah_single_1", cells),
+        row("transformer", "niah_single_2", cells),
+        row("hope", "niah_single_1", cells),
+        row("hope", "niah_single_2", "— | —"),
+    ]
+    assert f"![RULER single-needle accuracy against context length]({ruler.FIGURE})" in section
+    assert (tmp_path / ruler.FIGURE).read_bytes().startswith(b"\x89PNG")
+    bare = rows.Runs(rows.load(page.rows([64]), tmp_path / "none"), tmp_path / "none", tmp_path)
+    assert page.SECTIONS["ruler"].render(bare) == ""

@@ -11,11 +11,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import tiny_configs
 
 import nested as nl
 from nested.data import decode
+from nested.nn.models import MemoryLM
 from nested.run import checkpoint, export, sampling, train
 from nested.run import config as nc
 
@@ -199,3 +201,27 @@ def test_sample_entry_point_prints_the_continuation(workdir, trained):
         rng=3,
     )
     assert done.stdout.decode() == decode(sample.tokens[0]) + "\n"
+
+
+@pytest.mark.parametrize(
+    "mixer", ["attention", pytest.param("adatransformer", marks=pytest.mark.slow)]
+)
+def test_whole_stream_attention_samples_as_one_call_over_the_stream(mixer):
+    """Attention over every earlier token (window=None) keeps no state of them: the sampler runs
+    it with a window reaching the whole sequence, so greedy tokens are still the argmax of one
+    apply over the prompt and its continuation."""
+    level = None if mixer == "attention" else nl.recipes.hebbian(d_k=8, d_v=8)
+    model = lambda rngs: MemoryLM(
+        level, vocab=64, dim=16, heads=2, layers=1, mixer=mixer, window=None, rngs=rngs
+    )
+    outer = nl.Level("model", model, nl.objectives.next_token, optax.sgd(0.1), every="step")
+    fast = [level] if level else []
+    program = nl.compile(nl.NestedSystem([outer, *fast], owners={f.name: "model" for f in fast}))
+    params = jax.jit(program.init)(jax.random.key(0)).params
+    assert len(sampling.whole_stream_layers(program.model(params))) == 1
+    prompt = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
+    sample = nl.generate(program, params, prompt, max_new_tokens=6)
+    logits, _ = one_call(program, params, prompt, sample)
+    np.testing.assert_array_equal(sample.tokens, jnp.argmax(logits[:, 8:-1], axis=-1))
+    with pytest.raises(sampling.SamplingError, match="attends to its whole stream"):
+        nl.generate(program, params, prompt, max_new_tokens=2, fast=sample.fast)
