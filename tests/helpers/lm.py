@@ -1,6 +1,7 @@
 """A tiny language model on a tiny corpus: the documents (:func:`document_texts`) prepared
-(:func:`prepare`), and the config of a one-layer DeltaNet LM of windows of ``T`` tokens on a
-prepared folder (:func:`lm_config`)."""
+(:func:`prepare`), the config of a one-layer DeltaNet LM of windows of ``T`` tokens on a
+prepared folder (:func:`lm_config`), and a workdir of such a run without weights
+(:func:`fake_run`)."""
 
 import json
 from pathlib import Path
@@ -51,3 +52,15 @@ def lm_config(path, persist: str = "sequence", vocab: int = 257) -> config_dict.
     )
     config.plasticity = nc.plasticity_config()
     return config
+
+
+def fake_run(folder, tmp_path, *, steps: bool = True):
+    """A workdir with the config of a run on ``folder`` and a checkpoint folder (empty
+    steps: every check happens before the checkpoint is read)."""
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    if steps:
+        (workdir / "checkpoints" / "2").mkdir()
+    exp = nc.build(lm_config(folder))
+    (workdir / "config.json").write_text(exp.config.to_json_best_effort())
+    return workdir

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_configs
-from helpers.lm import T, document_texts, lm_config, prepare
+from helpers.lm import T, document_texts, fake_run, lm_config, prepare
 
 from nested.data import corpus
 from nested.data import tokens as tokens_mod
@@ -312,18 +312,6 @@ def test_encode_pair_follows_the_harness_with_a_bpe(folders):
     (copy / corpus.TOKENIZER_FILE).write_text("{}")
     with pytest.raises(corpus.PrepareError, match=r"does not match the index's sha256"):
         corpus.prepared_tokenizer(copy, index)
-
-
-def fake_run(folder, tmp_path, *, steps: bool = True):
-    """A workdir with the config of a run on ``folder`` and a checkpoint folder (empty
-    steps: every check happens before the checkpoint is read)."""
-    workdir = tmp_path / "run"
-    (workdir / "checkpoints").mkdir(parents=True)
-    if steps:
-        (workdir / "checkpoints" / "2").mkdir()
-    exp = nc.build(lm_config(folder))
-    (workdir / "config.json").write_text(exp.config.to_json_best_effort())
-    return workdir
 
 
 BAD_LINES = {

@@ -102,17 +102,14 @@ def test_sampling_continues_a_char_lm_prompt_deterministically_under_a_seed(trai
 
 def test_sampling_draws_only_ids_below_vocab(trained):
     """``vocab``: a tokenizer smaller than the model's vocabulary; greedy picks the argmax of
-    the first ``vocab`` logits, and a draw never leaves them."""
+    the first ``vocab`` logits, where the model's own argmax lies past them."""
     program, params = trained.program, trained.state.params
-    full = nl.generate(program, params, PROMPT, max_new_tokens=6)
-    assert int(np.max(full.tokens)) >= 40  # unrestricted, the model picks ids past 40
-    greedy = nl.generate(program, params, PROMPT, max_new_tokens=6, vocab=40)
+    greedy = nl.generate(program, params, PROMPT, max_new_tokens=4, vocab=40)
     tokens = np.concatenate([PROMPT, np.asarray(greedy.tokens)], axis=1)
     logits, _ = program.apply(params, jnp.asarray(tokens[:, :-1]))
-    want = np.argmax(np.asarray(logits)[0, PROMPT.shape[1] - 1 :, :40], axis=-1)
-    np.testing.assert_array_equal(np.asarray(greedy.tokens)[0], want)
-    drawn = nl.generate(program, params, PROMPT, max_new_tokens=32, temperature=2.0, vocab=40)
-    assert int(np.max(drawn.tokens)) < 40
+    logits = np.asarray(logits)[0, PROMPT.shape[1] - 1 :]
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[0], np.argmax(logits[:, :40], -1))
+    assert np.argmax(logits, -1).max() >= 40
 
 
 def test_a_level_of_period_4_samples_as_one_call_over_the_stream_and_stops_at_stop_tokens(

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_configs
-from test_eval_lm import fake_run, lm_config
+from helpers import tiny_configs
+from helpers.lm import fake_run, lm_config
 
 from nested.data import corpus
 from nested.run import config as nc
