@@ -9,10 +9,21 @@ from collections.abc import Sequence
 
 import report
 
-from sections import char_lm, companion, continual, frequencies, lm, mqar, niah, plasticity, text
+from sections import (
+    char_lm,
+    companion,
+    continual,
+    frequencies,
+    lm,
+    mqar,
+    mqar_zoology,
+    niah,
+    plasticity,
+    text,
+)
 from sections.rows import Row, Runs, Section
 
-PAGE = (mqar, char_lm, niah, continual, plasticity, frequencies, companion, lm)
+PAGE = (mqar, mqar_zoology, char_lm, niah, continual, plasticity, frequencies, companion, lm)
 SECTIONS: dict[str, Section] = {s.name: s for module in PAGE for s in module.SECTIONS}
 _OBSERVATIONS = re.compile(r"^## Observations\n.*?(?=^## |\Z)", re.M | re.S)
 
@@ -20,7 +31,7 @@ _OBSERVATIONS = re.compile(r"^## Observations\n.*?(?=^## |\Z)", re.M | re.S)
 def rows(widths: Sequence[int]) -> list[Row]:
     """Every row, MQAR's at ``widths``; the companion's run before the multi-frequency
     streams' (the order the table was first run in)."""
-    later = (char_lm, niah, continual, plasticity, companion, frequencies, lm)
+    later = (char_lm, niah, continual, plasticity, companion, frequencies, lm, mqar_zoology)
     return [*mqar.rows(widths), *(row for module in later for row in module.rows())]
 
 
