@@ -23,21 +23,24 @@ of the 64-256 token curriculum.
 Zoology's settings (for an accelerator).
 
 Zoology's figure 2 (Arora et al. 2023, arXiv:2312.04927): ``configs/mqar.py:zoology-<rule>``
-(``<rule>`` any variant above, or ``attention``), e.g. ``configs/mqar.py:zoology-delta``:
-vocabulary 8192, trained and tested on (sequence, pairs) (64, 4), (128, 8) and (256, 16), two
-layers, no MLP (Zoology's ``state_mixer`` is the identity), width ``--config.model.dim`` (64,
-128, 256 in the paper) and learning rate ``--config.optimizer.learning_rate`` (the paper
-sweeps 1e-4 to 1e-2: ``np.logspace(-4, -2, 4)``). Kept from Zoology's figure-2 sweep
-(HazyResearch/zoology, ``zoology/experiments/paper_configs/iclr24_zoology_figure2``): the
-settings, the vocabulary, two layers, no filler tokens between queries
-(``random_non_queries=False``), query gaps of ``power_a=0.01``, AdamW with weight decay 0.1
-and a cosine to 0, 3,000 test sequences a setting, one attention head (two for the memories,
-as Zoology's DeltaNet configs), and 64 epochs of 100,000 training sequences at batch 256
-(25,000 steps). Changed: one model learns the three settings (a uniform mixture, every row
-padded to 256 tokens) where Zoology trains one model per setting; fresh sequences every step
-instead of a fixed training set; RoPE and RMSNorm instead of learned positions and
-LayerNorm; no dropout; a warmup of 100 steps. RESULTS.md, "MQAR at Zoology's settings", runs
-these at a CPU budget (its overrides line says what it cuts).
+(``<rule>`` any variant above, or ``attention``: MemoryLM's softmax attention, one head), e.g.
+``configs/mqar.py:zoology-delta``: vocabulary 8192, trained and tested on (sequence, pairs)
+(64, 4), (128, 8) and (256, 16), two layers, no MLP (Zoology's ``state_mixer`` is the
+identity), width ``--config.model.dim`` (64, 128, 256 in the paper) and learning rate
+``--config.optimizer.learning_rate`` (the paper sweeps ``np.logspace(-4, -2, 4)``, 1e-4 to
+1e-2, and plots the best). Kept from Zoology's figure-2 sweep (HazyResearch/zoology,
+``zoology/experiments/paper_configs/iclr24_zoology_figure2/configs.py``): the settings, the
+vocabulary, two layers, no filler tokens between queries (``random_non_queries=False``), query
+gaps of ``power_a=0.01``, AdamW (weight decay 0.1, beta2 0.999) with a cosine to 0, 3,000 test
+sequences a setting, one attention head and two for the memories (as Zoology's later DeltaNet
+configs), 64 epochs of 100,000 training sequences (25,000 steps at batch 256; Zoology uses 512
+at 64 and 128 tokens). Changed: one model learns the three settings (a uniform mixture, every
+row padded to 256 tokens) where Zoology trains one per setting; fresh sequences every step
+instead of a fixed training set, and no early stop at 99%; RoPE in the attention instead of
+learned positions, RMSNorm instead of LayerNorm, no dropout, an output head not tied to the
+embedding (Zoology ties them), the memories' short convolution (``model.conv=4``), a warmup of
+100 steps. RESULTS.md, "MQAR at Zoology's settings", runs them on a CPU budget (its overrides
+line says what it cuts).
 """
 
 from ml_collections import config_dict
