@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from nested.run import metrics
-from sections import text
+from sections import plots, text
 from sections.rows import ROOT, Row, Runs, Section
 
 # The Python documentation's reStructuredText sources (Debian's python3-doc: `apt-get install
@@ -116,12 +116,7 @@ def table(runs: Runs, entries: dict) -> list[str]:
 def plot(runs: Runs, entries: dict) -> None:
     """Plot every ``lm/`` row's training loss (points: held-out loss) against tokens into
     :data:`CURVES` under the page's directory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.subplots(figsize=(7, 4))
     for row_id, (_, records) in entries.items():
         train_records = [r for r in records if r["split"] == metrics.TRAIN]
         held = [r for r in records if r["split"] == "val" and "loss" in r]
@@ -142,18 +137,7 @@ def plot(runs: Runs, entries: dict) -> None:
     ax.set_title("Python documentation, BPE 8192: train (lines), held-out (points)")
     ax.legend()
     ax.grid(alpha=0.3)
-    save_figure(fig, runs, CURVES)
-
-
-def save_figure(fig, runs: Runs, name: str) -> None:
-    """Write the matplotlib figure ``fig`` to ``name`` under the page's directory and close it."""
-    import matplotlib.pyplot as plt
-
-    path = runs.page / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, runs.page, CURVES)
 
 
 def render(runs: Runs) -> str:

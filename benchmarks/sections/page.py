@@ -16,6 +16,7 @@ from sections import (
     frequencies,
     lm,
     mqar,
+    mqar_zoology,
     niah,
     plasticity,
     ruler,
@@ -23,7 +24,7 @@ from sections import (
 )
 from sections.rows import Row, Runs, Section
 
-PAGE = (mqar, char_lm, niah, continual, plasticity, frequencies, companion, lm, ruler)
+PAGE = (mqar, mqar_zoology, char_lm, niah, continual, plasticity, frequencies, companion, lm, ruler)
 SECTIONS: dict[str, Section] = {s.name: s for module in PAGE for s in module.SECTIONS}
 _OBSERVATIONS = re.compile(r"^## Observations\n.*?(?=^## |\Z)", re.M | re.S)
 
@@ -31,7 +32,7 @@ _OBSERVATIONS = re.compile(r"^## Observations\n.*?(?=^## |\Z)", re.M | re.S)
 def rows(widths: Sequence[int]) -> list[Row]:
     """Every row, MQAR's at ``widths``; the companion's run before the multi-frequency
     streams' (the order the table was first run in)."""
-    later = (char_lm, niah, continual, plasticity, companion, frequencies, lm)
+    later = (char_lm, niah, continual, plasticity, companion, frequencies, lm, mqar_zoology)
     return [*mqar.rows(widths), *(row for module in later for row in module.rows())]
 
 

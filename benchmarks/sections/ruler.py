@@ -7,7 +7,7 @@ against length (:data:`FIGURE`), in the shape of RULER's figures."""
 from __future__ import annotations
 
 from nested.run import needle
-from sections import lm, text
+from sections import lm, plots, text
 from sections.rows import Runs, Section
 
 FIGURE = "benchmarks/figures/ruler_niah.png"  # committed beside RESULTS.md
@@ -48,12 +48,7 @@ def table(found: dict) -> list[str]:
 def plot(runs: Runs, found: dict) -> None:
     """Accuracy (%) against context length, a panel per task, a line per model, Wilson 95%
     intervals as bars, into :data:`FIGURE` under the page's directory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(needle.TASKS), figsize=(9, 3.6), sharey=True)
+    fig, axes = plots.subplots(1, len(needle.TASKS), figsize=(9, 3.6), sharey=True)
     for ax, task in zip(axes, needle.TASKS, strict=True):
         for model, (_, result) in found.items():
             by_length = result.get(task, {}).get("lengths", {})
@@ -73,7 +68,7 @@ def plot(runs: Runs, found: dict) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")
     axes[-1].legend(fontsize=8)
-    lm.save_figure(fig, runs, FIGURE)
+    plots.save(fig, runs.page, FIGURE)
 
 
 def render(runs: Runs) -> str:

@@ -258,8 +258,9 @@ def test_prose_as_committed(page):
 
 def test_dry_run_commands(page):
     commands = page[1].split("DRY RUN\n", 1)[1].splitlines()
-    assert len(commands) == 123
     ids = [c.split("--workdir=runs/results/", 1)[1].split(" ", 1)[0] for c in commands]
+    zoology = [i for i in ids if i.startswith("mqar_zoology/")]  # 3 rules x 2 x 3 lrs x 2 seeds
+    assert (len(commands) - len(zoology), len(zoology)) == (123, 36)
     assert ids.index("companion/delta") + 1 == ids.index("frequencies/one_level/seed0")
     expected = [
         "python experiments/train.py --config=configs/mqar.py:atlas "
@@ -315,3 +316,94 @@ def test_ruler_section(tmp_path, monkeypatch):
     assert (tmp_path / ruler.FIGURE).read_bytes().startswith(b"\x89PNG")
     bare = rows.Runs(rows.load(page.rows([64]), tmp_path / "none"), tmp_path / "none", tmp_path)
     assert page.SECTIONS["ruler"].render(bare) == ""
+
+
+# "MQAR at Zoology's settings" (benchmarks/sections/mqar_zoology.py), rendered in-process from
+# its own synthetic rows: the best learning rate per (rule, width), its seeds' interval, the
+# sweep, the figure, the rows not run.
+def _zoology():
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sections import mqar_zoology, page, rows
+
+    return mqar_zoology, page, rows
+
+
+def _zoology_row(workdir: Path, rule: str, dim: int, lr: float, seed: int, accuracy):
+    """A row of the section: ``accuracy`` per test setting (None: the run failed)."""
+    section, _, _ = _zoology()
+    if accuracy is None:
+        _row(workdir, section.row_id(rule, dim, lr, seed), 9.0, error="error: boom", after=False)
+        return
+    splits = ("seq64_kv4", "seq128_kv8", "seq256_kv16")
+    records = _evals(150, **{s: {"accuracy": a} for s, a in zip(splits, accuracy, strict=True)})
+    _row(workdir, section.row_id(rule, dim, lr, seed), 100.0 + seed, records, after=False)
+
+
+@pytest.fixture(scope="module")
+def zoology(tmp_path_factory):
+    """The section rendered from synthetic rows, and its sweep's best learning rates."""
+    section, _, rows = _zoology()
+    tmp = tmp_path_factory.mktemp("zoology")
+    for rule, dim, lr, seed, accuracy in [
+        ("delta", 64, 1e-3, 0, (0.3, 0.2, 0.1)),
+        ("delta", 64, 3e-3, 0, (0.8, 0.6, 0.4)),  # the best: mean 0.6
+        ("delta", 64, 3e-3, 1, (0.7, 0.6, 0.44)),  # its second seed: mean 0.58
+        ("delta", 64, 1e-2, 0, None),  # failed
+        ("attention", 64, 1e-3, 0, (0.9, 0.9, 0.9)),  # a tie: the smaller rate
+        ("attention", 64, 3e-3, 0, (0.9, 0.9, 0.9)),
+        ("attention", 128, 1e-2, 1, (1.0, 1.0, 1.0)),  # seed 1 only: no best
+        ("attention", 128, 3e-3, 0, (0.95, 0.95, 0.95)),
+    ]:
+        _zoology_row(tmp / "runs", rule, dim, lr, seed, accuracy)
+    runs = rows.Runs(rows.load(section.rows(), tmp / "runs"), tmp / "runs", tmp)
+    return tmp, section.render(runs), section.best_lrs(section._sweep(runs))
+
+
+def test_zoology_best_learning_rate(zoology):
+    """The best of seed 0's runs per (rule, width); a tie goes to the smaller rate."""
+    _, _, best = zoology
+    assert best == {("delta", 64): 3e-3, ("attention", 64): 1e-3, ("attention", 128): 3e-3}
+
+
+def test_zoology_section_renders_its_tables_and_figure(zoology):
+    tmp, markdown, _ = zoology
+    section, page, rows = _zoology()
+    lines = markdown.splitlines()
+    assert lines[0] == "## MQAR at Zoology's settings"
+    # delta d64 at 0.003: two seeds; mean of (0.6, 0.58) +- t(0.975, 1) * 0.01414 / sqrt(2)
+    command = "`python train mqar_zoology/delta_d64_lr0.003/seed0`"
+    row = f"| delta | 64 | 0.003 | 2 | 75.0 | 60.0 | 42.0 | 59.0 [46.3, 71.7] | 100 s | {command} |"
+    assert row in lines
+    assert "| attention | 64 | 0.001 | 1 | 90.0 | 90.0 | 90.0 | 90.0 | 100 s |" in markdown
+    assert "| delta | 64 | 20.0 | **60.0** | **failed**: error: boom |" in lines
+    assert "| attention | 128 | not run | **95.0** | not run |" in lines
+    missing = markdown.split("Rows not run", 1)[1].split("\n", 1)[0]
+    assert "`gated_delta_d128_lr0.01/seed0`" in missing  # of the sweep
+    assert "`attention_d64_lr0.001/seed1`" in missing  # a seed at a best learning rate
+    assert "`delta_d64_lr0.003/seed1`" not in missing  # run
+    assert "`delta_d64_lr0.001/seed1`" not in missing  # not a best learning rate
+    best = r"attention_d64_lr0\.001|attention_d128_lr0\.003|delta_d64_lr0\.003"
+    seeds = f"--only='^mqar_zoology/({best})/'"
+    assert f"then `python benchmarks/results.py --sections=mqar_zoology {seeds}`" in markdown
+    assert (
+        f"![MQAR accuracy against model dimension, one panel per test setting]({section.FIGURE})"
+        in lines
+    )
+    assert (tmp / section.FIGURE).read_bytes().startswith(b"\x89PNG")
+    assert "mqar_zoology" in page.SECTIONS
+    assert set(section.rows()) <= set(page.rows([64]))
+    last = section.rows()[-1]
+    assert " ".join(rows.command(last, Path("runs/results") / last.id)) == (
+        "python experiments/train.py --config=configs/mqar.py:zoology-gated_delta "
+        "--workdir=runs/results/mqar_zoology/gated_delta_d128_lr0.01/seed1 --config.seed=1 "
+        "--config.model.dim=128 --config.optimizer.learning_rate=0.01 --config.train.steps=50 "
+        "--config.train.batch_size=16 --config.optimizer.warmup_steps=5 "
+        "--config.train.eval_every=50 --config.train.checkpoint_every=50 "
+        "--config.train.eval_batches=1"
+    )
+
+
+def test_zoology_section_is_empty_without_rows(tmp_path):
+    section, _, rows = _zoology()
+    assert section.render(rows.Runs({}, tmp_path, tmp_path)) == ""

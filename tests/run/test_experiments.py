@@ -81,7 +81,7 @@ BAD_INPUTS = {
     "unknown variant": (
         [f"--config={tiny_configs.path('mqar')}:detla"],
         f"error: --config {tiny_configs.path('mqar')}:detla: variant 'detla' is unknown; "
-        f"allowed variants: {sorted({*recipes.RULES, 'hope'})}",
+        f"allowed variants: {sorted({*recipes.RULES, 'hope', 'attention'})}, each also as zoology-",
     ),
     "period not dividing the chunking": (
         ["--config.levels.memory.every=16", "--config.levels.memory.chunk=24"],
