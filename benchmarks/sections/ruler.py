@@ -50,13 +50,14 @@ def plot(runs: Runs, found: dict) -> None:
     intervals as bars, into :data:`FIGURE` under the page's directory."""
     fig, axes = plots.subplots(1, len(needle.TASKS), figsize=(9, 3.6), sharey=True)
     for ax, task in zip(axes, needle.TASKS, strict=True):
-        for model, (_, result) in found.items():
+        for i, (model, (_, result)) in enumerate(found.items()):
             by_length = result.get(task, {}).get("lengths", {})
             lengths = sorted(by_length, key=int)
             acc = [100 * by_length[n]["accuracy"] for n in lengths]
             below = [a - 100 * by_length[n]["low"] for a, n in zip(acc, lengths, strict=True)]
             above = [100 * by_length[n]["high"] - a for a, n in zip(acc, lengths, strict=True)]
-            x = [int(n) for n in lengths]
+            dodge = 2 ** (0.05 * (i - (len(found) - 1) / 2))  # equal points side by side
+            x = [int(n) * dodge for n in lengths]
             ax.errorbar(x, acc, yerr=[below, above], marker="o", capsize=3, label=model)
         ax.set_xscale("log", base=2)
         ax.set_xticks(
