@@ -77,7 +77,7 @@ from nested.companion.engine import Companion, agent_bytes
 from nested.companion.store import SQLiteStore
 from nested.data import CompanionTask
 from nested.data.batch import rng_for
-from nested.data.companion import Agent
+from nested.data.companion import FAMILIES, Agent
 from nested.plasticity.deployment import Deployment
 from nested.plasticity.regret import bootstrap_ci
 from studies.companion.baselines import (
@@ -147,8 +147,17 @@ def held_out(base: CompanionTask, settings: Settings, variant: str = "standard")
 
 def training_agents(base: CompanionTask, count: int) -> list[Agent]:
     """Agents of the training task itself (its seed): rows ``0 .. count - 1`` of its first
-    agents, those of training batches ``0 .. sessions * session_length - 1``."""
-    return [base.agent(r, 0) for r in range(count)]
+    agents, those of training batches ``0 .. sessions * session_length - 1``; of a task with
+    ``families``, the agents those rows draw as its own one family (``features_per_input``,
+    ``rule_kind``: the same draws, a family's agent being the one-family task's)."""
+    return [one_family(base).agent(r, 0) for r in range(count)]
+
+
+def one_family(task: CompanionTask) -> CompanionTask:
+    """``task`` without ``families`` (its own k and rule), its events as wide as before."""
+    if not task.families:
+        return task
+    return dataclasses.replace(task, families=(), input_width=task.width)
 
 
 class Model:
@@ -202,7 +211,8 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
             raise ValueError(f"variants: {variant!r}; use some of {known}")
     budget = agent_bytes(companion)
     tuned = training_agents(base, settings.tune_agents)
-    lr, tried = tune_learning_rate(base, tuned, settings.lr_grid, rng_for(base.seed, "tune", 0))
+    rng = rng_for(base.seed, "tune", 0)
+    lr, tried = tune_learning_rate(one_family(base), tuned, settings.lr_grid, rng)
     model = Model(trained, base, settings.agents)
     task, agents = held_out(base, settings)
     metrics = _evaluate(model, task, agents, settings, budget, lr, progress)
@@ -213,6 +223,9 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
         other, others = held_out(base, settings, variant)
         found = _evaluate(model, other, others, settings, budget, lr, progress)
         variants[variant] = _variant_row(other, found, budget, model, standard=metrics)
+    trained = {FAMILIES[f] for f in base.families} or {(base.features_per_input, base.rule_kind)}
+    for row in variants.values():  # is the variant's family among the training agents'?
+        row["trained"] = (row["task"]["features_per_input"], row["task"]["rule_kind"]) in trained
     result["variants"] = variants
     return result
 
@@ -355,10 +368,13 @@ def _survival(gained: np.ndarray, before: np.ndarray, resamples: int = 2000) -> 
 def _variant_row(task, metrics, budget, model, standard=None) -> dict[str, Any]:
     """One variant's figures: each method's novel accuracy averaged over the sessions and
     its total regret; the companion's advantage ``a_m`` over each method (per agent, then
-    bootstrapped); ``best``: the equal-bytes baseline of the highest accuracy; and, given
+    bootstrapped); ``best``: the equal-bytes baseline of the highest accuracy;
+    ``regret_saved[m]``: m's regret minus the companion's (paired, in errors), ``regret_best``
+    the equal-bytes baseline of the least regret; and, given
     the ``standard`` agents' metrics, ``survives[m] = mean a_m / mean a_m(standard)``
     (resampled in pairs of rows; None where the standard advantage is not positive)."""
     accuracy = {m: np.stack(metrics[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
+    regret = {m: np.sum(metrics[m]["regret"], axis=0) for m in METHODS}
     out = {
         "task": {
             "features_per_input": task.features_per_input,
@@ -366,11 +382,15 @@ def _variant_row(task, metrics, budget, model, standard=None) -> dict[str, Any]:
         },
         "bytes": method_bytes(task, budget, model.embedding.shape[1]),
         "novel": {m: _interval(a) for m, a in accuracy.items()},
-        "regret": {m: _interval(np.sum(metrics[m]["regret"], axis=0)) for m in METHODS},
+        "regret": {m: _interval(r) for m, r in regret.items()},
         "advantage": {
             m: _interval(accuracy["companion"] - a) for m, a in accuracy.items() if m != "companion"
         },
         "best": max(EQUAL_BYTES, key=lambda m: accuracy[m].mean()),
+        "regret_best": min(EQUAL_BYTES, key=lambda m: regret[m].mean()),
+        "regret_saved": {  # errors the companion makes fewer than m (positive: it wins)
+            m: _interval(r - regret["companion"]) for m, r in regret.items() if m != "companion"
+        },
     }
     if standard is not None:
         base = {m: np.stack(standard[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
@@ -464,8 +484,10 @@ def _pm(interval: dict[str, float] | None, unit: str = "") -> str:
 
 def format_variant(name: str, row: dict[str, Any]) -> str:
     """One variant's line: each method's novel accuracy over the sessions (%), the
-    companion's advantage over knn and over the best equal-bytes baseline (points), and the
-    share of it that survives from the standard agents (%)."""
+    companion's advantage over knn and over the best equal-bytes baseline (points), the
+    regret it saves against the baseline of least regret (errors), the share of the
+    advantage that survives from the standard agents (%), and whether training saw the
+    variant's family."""
     accuracy = " ".join(f"{m} {100 * v['mean']:.1f}" for m, v in row["novel"].items())
     best = row["best"]
     line = (
@@ -474,11 +496,19 @@ def format_variant(name: str, row: dict[str, Any]) -> str:
         f"{_pm(row['advantage']['knn'])}, - {best} (best at equal bytes) "
         f"{_pm(row['advantage'][best])}"
     )
+    if "regret_saved" in row:
+        saved = row["regret_saved"][row["regret_best"]]
+        line += (
+            f"; regret {row['regret_best']} - companion {saved['mean']:+.1f} "
+            f"[{saved['low']:+.1f}, {saved['high']:+.1f}] errors"
+        )
     if "survives" in row:
         line += (
             f"; survives vs knn {_pm(row['survives']['knn'], '%')}, vs {best} "
             f"{_pm(row['survives'][best], '%')}"
         )
+    if "trained" in row:
+        line += "; a training family" if row["trained"] else "; held out of training"
     return line
 
 
