@@ -135,3 +135,10 @@ def test_bad_families_name_the_field():
         data.CompanionTask(families=("k4",), input_width=3)
     with pytest.raises(ValueError, match="rule_kind"):
         data.CompanionTask(rule_kind="xor")
+
+
+def test_queries_wider_than_the_task_stay_whole_and_narrower_ones_are_padded():
+    wide = data.CompanionTask().query_tokens(np.array([[0, 1, 2, 3]]))  # a k4 variant's query
+    np.testing.assert_array_equal(wide, [[1, 2, 3, 4]])
+    narrow = MIXED.query_tokens(np.array([[0, 1]]))
+    np.testing.assert_array_equal(narrow, [[0, 0, 1, 2]])

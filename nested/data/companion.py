@@ -321,8 +321,8 @@ class CompanionTask:
 
     def _words_encode(self, ids, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
         """Tokens ``(..., E * event_length)`` of events under the token ids ``ids``; inputs
-        of fewer than :attr:`width` features (or padded with -1) left-padded with token 0."""
-        pad = [(0, 0)] * (inputs.ndim - 1) + [(self.width - inputs.shape[-1], 0)]
+        of fewer than :attr:`width` features left-padded with token 0 (as are -1 ids)."""
+        pad = [(0, 0)] * (inputs.ndim - 1) + [(max(self.width - inputs.shape[-1], 0), 0)]
         inputs = np.pad(inputs, pad, constant_values=-1)
         features = np.where(inputs >= 0, ids["features"][np.maximum(inputs, 0)], 0)
         labels = ids["labels"][answers][..., None]

@@ -188,8 +188,11 @@ class Model:
 
     def encode(self, inputs: np.ndarray) -> np.ndarray:
         """The frozen encoder: the mean embedding of each input's query tokens (its feature
-        tokens; on a text task, the words of ``the <features> box is``), unit norm."""
-        vectors = self.embedding[self.task.query_tokens(inputs)].mean(axis=-2)
+        tokens, padding left out; on a text task, the words of ``the <features> box is``),
+        unit norm."""
+        tokens = self.task.query_tokens(inputs)
+        real = (tokens != 0) | self.task.text  # token 0 pads a short input (text: none)
+        vectors = (self.embedding[tokens] * real[..., None]).sum(-2) / real.sum(-1, keepdims=True)
         return vectors / np.linalg.norm(vectors, axis=-1, keepdims=True)
 
 
