@@ -346,9 +346,11 @@ class CompanionTask:
 
     def query_tokens(self, inputs: np.ndarray) -> np.ndarray:
         """Tokens ``(..., q)`` of queries ``inputs`` ``(..., k)``: each event up to where its
-        answer is predicted (the feature tokens; with ``text``, ``the <features> box is``)."""
+        answer is predicted (the feature tokens; with ``text``, ``the <features> box is``);
+        an input wider than :attr:`width` keeps all its features."""
         answers = np.zeros((*inputs.shape[:-1], 1), np.int64)  # any: cut off below
-        return self._words_encode(self._ids, inputs[..., None, :], answers)[..., : self.answer_at]
+        tokens = self._words_encode(self._ids, inputs[..., None, :], answers)
+        return tokens[..., : tokens.shape[-1] - (2 if self.text else 1)]  # no answer (and .)
 
     @property
     def answer_at(self) -> int:
