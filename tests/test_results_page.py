@@ -258,9 +258,10 @@ def test_prose_as_committed(page):
 
 def test_dry_run_commands(page):
     commands = page[1].split("DRY RUN\n", 1)[1].splitlines()
-    assert len(commands) == 124
+    assert len(commands) == 125
     ids = [c.split("--workdir=runs/results/", 1)[1].split(" ", 1)[0] for c in commands]
-    assert ids.index("companion/delta") + 1 == ids.index("companion/mixture")
+    assert ids.index("companion/delta") + 1 == ids.index("companion/aligned")
+    assert ids.index("companion/aligned") + 1 == ids.index("companion/mixture")
     assert ids.index("companion/mixture") + 1 == ids.index("frequencies/one_level/seed0")
     expected = [
         "python experiments/train.py --config=configs/mqar.py:atlas "

@@ -16,6 +16,12 @@ def rows() -> list[Row]:
     return [
         Row("companion/delta", "configs/companion.py", after=(SCRIPT,)),
         Row(
+            "companion/aligned",
+            "configs/companion.py:aligned",
+            note="answers written under their queries' keys (key_shift, conv=3)",
+            after=(SCRIPT,),
+        ),
+        Row(
             "companion/mixture",
             "configs/companion.py:mixture",
             note="agent families k2/k3/k4/pairs in training, one_feature held out",
