@@ -16,19 +16,31 @@ Variants: ``configs/companion.py:<rule>`` for any rule of ``nested.recipes.RULES
 wooden box is red .", ``task.text=True``), in the task's own word-level tokens
 (``--config.task.tokenizer=<tokenizer.json>``: a corpus tokenizer giving each word one token);
 ``serve.py`` then takes and answers text.
+``configs/companion.py:aligned``: keys aligned with their queries: the write at an answer
+token uses the key of the token before it (``model.key_shift``), the input's last feature,
+whose short convolution (``model.conv``, as wide as an input) spans the input's features and
+nothing else: the answer is written under a key made of the features its query reads.
+``configs/companion.py:mixture``: aligned, on agents of several families (``task.families``:
+2, 3 or 4 features per input, pair rules; ``one_feature`` held out of training, the study's
+generalisation row), events padded to 4 feature slots.
 """
 
 from ml_collections import config_dict
 
 from nested.run import config as nc
 
+MIXTURE = ("k2", "k3", "k4", "pairs")  # the mixture's training families; one_feature held out
+
 
 def get_config(arg=None):
-    text = arg == "text"
-    rule = nc.variant(None if text else arg, others=("text",))
+    text, mixture = arg == "text", arg == "mixture"
+    aligned = mixture or arg == "aligned"
+    rule = nc.variant(None if text or aligned else arg, others=("text", "aligned", "mixture"))
     config = config_dict.ConfigDict()
     config.seed = 0
-    config.task = nc.task_config("companion", text=text)
+    families = {"families": MIXTURE, "input_width": 4} if mixture else {}
+    config.task = nc.task_config("companion", text=text, **families)
+    width = 4 if mixture else config.task.features_per_input
     config.model = nc.model_config(
         "memory_lm",
         level="memory",  # the mixer's fast level: levels.memory
@@ -36,6 +48,7 @@ def get_config(arg=None):
         heads=2,
         layers=1,
         mlp_ratio=2,
+        **({"key_shift": True, "conv": width} if aligned else {}),
     )
     config.levels = config_dict.ConfigDict({"memory": nc.level_config(rule, persist="stream")})
     config.optimizer = nc.optimizer_config(

@@ -13,7 +13,21 @@ RESULT = "companion_study.json"
 
 
 def rows() -> list[Row]:
-    return [Row("companion/delta", "configs/companion.py", after=(SCRIPT,))]
+    return [
+        Row("companion/delta", "configs/companion.py", after=(SCRIPT,)),
+        Row(
+            "companion/aligned",
+            "configs/companion.py:aligned",
+            note="answers written under their queries' keys (key_shift, conv=3)",
+            after=(SCRIPT,),
+        ),
+        Row(
+            "companion/mixture",
+            "configs/companion.py:mixture",
+            note="agent families k2/k3/k4/pairs in training, one_feature held out",
+            after=(SCRIPT,),
+        ),
+    ]
 
 
 def _points(interval: dict | None, percent: bool = False) -> str:
@@ -54,22 +68,38 @@ def sessions_table(result: dict) -> list[str]:
     return lines
 
 
+def _regret(row: dict) -> str:
+    """The errors the companion saves against the equal-bytes baseline of least regret, with
+    its interval (paired over agents)."""
+    saved = row["regret_saved"][row["regret_best"]]
+    return (
+        f"{saved['mean']:+.1f} [{saved['low']:+.1f}, {saved['high']:+.1f}] ({row['regret_best']})"
+    )
+
+
 def variants_table(result: dict) -> list[str]:
     """The variants' table of a companion study: per variant, each method's novel accuracy
     averaged over the sessions, the companion's advantage over `knn` and over the best
-    equal-bytes baseline, and the share of the standard agents' advantage that survives;
-    nothing for a study without variants."""
+    equal-bytes baseline, the regret it saves against the baseline of least regret, and the
+    share of the standard agents' advantage that survives; with a study that records which
+    families training saw (``trained``), that, and the regret the companion saves against
+    the baseline of least regret; nothing for a study without variants."""
     variants = result.get("variants")
     if not variants:
         return []
     methods = list(next(iter(variants.values()))["novel"])
-    head = ["variant", "k", "rule", *methods, "companion − knn", "companion − best (which)"]
+    families = _has_families(result)
+    head = ["variant", "k", "rule", *(["in training"] if families else []), *methods]
+    head += ["companion − knn", "companion − best (which)"]
+    head += ["regret: best − companion (which)"] if families else []
     lines = text.head([*head, "survives vs knn", "survives vs best"])
     for name, row in variants.items():
         best = row["best"]
         cells = [name, str(row["task"]["features_per_input"]), row["task"]["rule_kind"]]
+        cells += [{True: "yes", False: "held out"}[row["trained"]]] if families else []
         cells += [_accuracy(v["mean"], v["low"], v["high"]) for v in row["novel"].values()]
         cells += [_points(row["advantage"]["knn"]), f"{_points(row['advantage'][best])} ({best})"]
+        cells += [_regret(row)] if families else []
         survives = row.get("survives")
         cells += (
             ["(reference)", "(reference)"]
@@ -78,6 +108,10 @@ def variants_table(result: dict) -> list[str]:
         )
         lines.append(text.row(cells))
     return lines
+
+
+def _has_families(result: dict) -> bool:
+    return any("trained" in row for row in result.get("variants", {}).values())
 
 
 def study(record: dict, result: dict) -> str:
@@ -111,6 +145,7 @@ def study(record: dict, result: dict) -> str:
         bytes=sizes,
         tuning=tuning,
         variants=text.fill(parts["variants"], table=variants) if variants else "",
+        families=parts["families"].substitute() if _has_families(result) else "",
         commands=text.commands(record),
     )
 

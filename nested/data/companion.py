@@ -31,6 +31,18 @@ from (seed, r, a) alone. Eval split ``new_agent``: a held-out agent's first sequ
 :meth:`agent` gives one agent's rule, facts and events for the companion study
 (``experiments/studies/companion``) and its baselines.
 
+**Rule kinds and families.** ``rule_kind`` changes the rule's kind: ``"linear"`` (above);
+``"one_feature"``, the linear agent's weights replaced by ``2^r_f`` (``r_f`` the rank of ``w_f``
+among the agent's features; votes, drift and facts' inputs unchanged): ``2^r > sum_{q<r} 2^q``,
+so the input's feature of highest rank decides alone; ``"pairs"``, every pair ``f < g`` votes
+for a label ``c_fg`` with weight ``w_fg ~ U[0.5, 1.5]`` and ``answer(x) = argmax_c sum_{f<g in
+x} w_fg [c_fg = c]``, a rule ``(L, F, F)`` (upper triangle) no linear map of the one-hot
+features computes (the drift moves ``drift_fraction`` of the pairs' votes). ``families``
+(names of :data:`FAMILIES`, each a ``(k, rule_kind)``) makes every agent draw its family, from
+(seed, row, index) alone: a mixture of agents in one batch. Inputs then differ in length; every
+event holds ``input_width`` feature slots (default the largest k), a shorter input left-padded
+with token 0, so an event is ``input_width + 1`` tokens whatever its agent's k.
+
 **Text** (``text=True``): the same agents and rules, each event a short sentence, ``the
 <f_1> .. <f_k> box is <label> .``, feature ``f`` the word ``FEATURE_WORDS[f]`` and label ``c``
 the colour ``LABEL_WORDS[c]`` ("the heavy round wooden box is red ."); an event is ``k + 5``
@@ -72,16 +84,33 @@ LABEL_WORDS = (
 )  # fmt: skip
 
 
+RULE_KINDS = ("linear", "one_feature", "pairs")
+# Agent families (module docstring): name -> (features per input, rule kind).
+FAMILIES = {
+    "k2": (2, "linear"),
+    "k3": (3, "linear"),
+    "k4": (4, "linear"),
+    "one_feature": (3, "one_feature"),
+    "pairs": (3, "pairs"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Agent:
-    """One agent: ``rule`` ``(num_labels, num_features)`` before the drift and ``drifted``
-    after it; ``facts`` ``(rare_facts, k)`` inputs (feature ids) and ``fact_answers``
-    ``(rare_facts,)`` labels that break the rule."""
+    """One agent: ``rule`` ``(num_labels, num_features)`` (a pair rule: ``(num_labels, F, F)``)
+    before the drift and ``drifted`` after it; ``facts`` ``(rare_facts, k)`` inputs (feature
+    ids) and ``fact_answers`` ``(rare_facts,)`` labels that break the rule; ``family`` its
+    name in :data:`FAMILIES` (None: the task's own ``features_per_input`` and ``rule_kind``)."""
 
     rule: np.ndarray
     drifted: np.ndarray
     facts: np.ndarray
     fact_answers: np.ndarray
+    family: str | None = None
+
+    @property
+    def features_per_input(self) -> int:
+        return self.facts.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +131,11 @@ class CompanionTask:
       text: events as sentences (module docstring); F <= 48 and L <= 16 words.
       tokenizer: with ``text``, the path of a ``tokenizer.json`` giving each of the task's
         words one token; None: the task's own word-level tokenizer.
+      rule_kind: one of :data:`RULE_KINDS` (module docstring).
+      families: names of :data:`FAMILIES` each agent draws from; empty: every agent is
+        ``(features_per_input, rule_kind)``.
+      input_width: feature slots of an event's input (shorter inputs left-padded with token
+        0); None: the largest k of the agents.
     """
 
     num_features: int = 32
@@ -116,6 +150,9 @@ class CompanionTask:
     seed: int = 0
     text: bool = False
     tokenizer: str | None = None
+    rule_kind: str = "linear"
+    families: tuple[str, ...] = ()
+    input_width: int | None = None
 
     name: ClassVar[str] = "companion"
     eval_splits: ClassVar[tuple[str, ...]] = ("new_agent",)
@@ -143,6 +180,33 @@ class CompanionTask:
             raise field_error(self.name, "rare_facts", self.rare_facts, "use <= events")
         if not 0.0 <= self.drift_fraction <= 1.0:
             raise field_error(self.name, "drift_fraction", self.drift_fraction, "use 0 <= f <= 1")
+        if self.rule_kind not in RULE_KINDS:
+            raise field_error(self.name, "rule_kind", self.rule_kind, f"use one of {RULE_KINDS}")
+        if not isinstance(self.families, tuple | list) or not set(self.families) <= set(FAMILIES):
+            raise field_error(
+                self.name, "families", self.families, f"use a tuple of names of {list(FAMILIES)}"
+            )
+        object.__setattr__(self, "families", tuple(self.families))
+        if self.rule_kind == "pairs" and self.features_per_input < 2:
+            raise field_error(self.name, "rule_kind", "pairs", "use features_per_input >= 2")
+        if max(self.agent_ks) > self.num_features:
+            raise field_error(self.name, "families", self.families, "use k <= num_features")
+        if self.input_width is not None and (
+            not isinstance(self.input_width, int) or self.input_width < max(self.agent_ks)
+        ):
+            raise field_error(
+                self.name,
+                "input_width",
+                self.input_width,
+                f"use None or an int >= {max(self.agent_ks)}",
+            )
+        if self.text and self.width != self.features_per_input:
+            raise field_error(
+                self.name,
+                "families",
+                self.families,
+                "a text task takes one k: leave families and input_width unset",
+            )
         if not isinstance(self.text, bool):
             raise field_error(self.name, "text", self.text, "use True or False")
         if self.text:
@@ -163,9 +227,19 @@ class CompanionTask:
         return 1 + self.num_features + self.num_labels
 
     @property
+    def agent_ks(self) -> tuple[int, ...]:
+        """The features per input of the task's agents (of its families, or its own k)."""
+        return tuple(sorted({FAMILIES[f][0] for f in self.families} or {self.features_per_input}))
+
+    @property
+    def width(self) -> int:
+        """Feature slots of an event's input: ``input_width``, or the largest k."""
+        return self.input_width or max(self.agent_ks)
+
+    @property
     def event_length(self) -> int:
-        """Tokens of an event: ``k + 1``; with ``text``, ``k + 5``."""
-        return self.features_per_input + (5 if self.text else 1)
+        """Tokens of an event: ``width + 1``; with ``text``, ``k + 5``."""
+        return self.width + (5 if self.text else 1)
 
     @property
     def seq_len(self) -> int:
@@ -246,8 +320,12 @@ class CompanionTask:
         return out
 
     def _words_encode(self, ids, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
-        """Tokens ``(..., E * event_length)`` of events under the token ids ``ids``."""
-        features, labels = ids["features"][inputs], ids["labels"][answers][..., None]
+        """Tokens ``(..., E * event_length)`` of events under the token ids ``ids``; inputs
+        of fewer than :attr:`width` features left-padded with token 0 (as are -1 ids)."""
+        pad = [(0, 0)] * (inputs.ndim - 1) + [(max(self.width - inputs.shape[-1], 0), 0)]
+        inputs = np.pad(inputs, pad, constant_values=-1)
+        features = np.where(inputs >= 0, ids["features"][np.maximum(inputs, 0)], 0)
+        labels = ids["labels"][answers][..., None]
         if self.text:
             the, box, is_, stop = (
                 np.broadcast_to(t, (*inputs.shape[:-1], 1)) for t in ids["template"]
@@ -268,18 +346,34 @@ class CompanionTask:
 
     def query_tokens(self, inputs: np.ndarray) -> np.ndarray:
         """Tokens ``(..., q)`` of queries ``inputs`` ``(..., k)``: each event up to where its
-        answer is predicted (the feature tokens; with ``text``, ``the <features> box is``)."""
+        answer is predicted (the feature tokens; with ``text``, ``the <features> box is``);
+        an input wider than :attr:`width` keeps all its features."""
         answers = np.zeros((*inputs.shape[:-1], 1), np.int64)  # any: cut off below
-        return self._words_encode(self._ids, inputs[..., None, :], answers)[..., : self.answer_at]
+        tokens = self._words_encode(self._ids, inputs[..., None, :], answers)
+        return tokens[..., : tokens.shape[-1] - (2 if self.text else 1)]  # no answer (and .)
 
     @property
     def answer_at(self) -> int:
         """Where in an event the answer is predicted from: its answer token's position."""
-        return self.features_per_input + (3 if self.text else 0)
+        return self.width + (3 if self.text else 0)
 
     def answers(self, rule: np.ndarray, inputs: np.ndarray) -> np.ndarray:
-        """Labels ``(...,)`` of ``inputs`` ``(..., k)`` (feature ids) under ``rule``."""
-        return np.argmax(rule[:, inputs].sum(axis=-1), axis=0)
+        """Labels ``(...,)`` of ``inputs`` ``(..., k)`` (feature ids) under ``rule``: a linear
+        rule ``(L, F)`` summed over the input's features, a pair rule ``(L, F, F)`` over its
+        pairs."""
+        if rule.ndim == 2:
+            return np.argmax(rule[:, inputs].sum(axis=-1), axis=0)
+        i, j = np.triu_indices(inputs.shape[-1], k=1)
+        low = np.minimum(inputs[..., i], inputs[..., j])
+        high = np.maximum(inputs[..., i], inputs[..., j])
+        return np.argmax(rule[:, low, high].sum(axis=-1), axis=0)
+
+    def family(self, row: int, index: int) -> str | None:
+        """The family of agent ``index`` of row ``row`` (None without ``families``)."""
+        if not self.families:
+            return None
+        draw = rng_for(self.seed, f"family/{index}", row).integers(len(self.families))
+        return self.families[draw]
 
     def agent(self, row: int, index: int = 0) -> Agent:
         """Agent ``index`` of batch row ``row``: drawn from (seed, row, index) alone, once."""
@@ -287,8 +381,10 @@ class CompanionTask:
 
     @functools.cache  # noqa: B019 - frozen dataclass: the cache lives as long as the task
     def _agents(self, row: int, index: int) -> Agent:
+        family = self.family(row, index)
+        k, kind = FAMILIES[family] if family else (self.features_per_input, self.rule_kind)
         rng = rng_for(self.seed, f"agent/{index}", row)
-        F, L, k = self.num_features, self.num_labels, self.features_per_input
+        F, L = self.num_features, self.num_labels
         votes, weights = rng.integers(0, L, F), rng.uniform(0.5, 1.5, F)
         moved = rng.permutation(F)[: round(self.drift_fraction * F)]
         changed = votes.copy()
@@ -300,15 +396,32 @@ class CompanionTask:
         facts = np.array(drawn, dtype=np.int64).reshape(self.rare_facts, k)  # rare_facts may be 0
         by_rule = self.answers(rule, facts)
         fact_answers = (by_rule + 1 + rng.integers(0, L - 1, size=by_rule.shape)) % L
-        return Agent(rule, drifted, facts, fact_answers)
+        if kind == "one_feature":  # the same votes, each feature outweighing all below it
+            decisive = 2.0 ** np.argsort(np.argsort(weights))
+            rule, drifted = (np.where(r > 0, decisive, 0.0) for r in (rule, drifted))
+            by_rule = self.answers(rule, facts)
+            fact_answers = np.where(fact_answers == by_rule, (by_rule + 1) % L, fact_answers)
+        elif kind == "pairs":
+            rng = rng_for(self.seed, f"pairs/{index}", row)
+            low, high = np.triu_indices(F, k=1)
+            votes, weights = rng.integers(0, L, low.size), rng.uniform(0.5, 1.5, low.size)
+            moved = rng.permutation(low.size)[: round(self.drift_fraction * low.size)]
+            changed = votes.copy()
+            changed[moved] = (votes[moved] + 1 + rng.integers(0, L - 1, moved.size)) % L
+            rule, drifted = np.zeros((L, F, F)), np.zeros((L, F, F))
+            rule[votes, low, high] = weights
+            drifted[changed, low, high] = weights
+            by_rule = self.answers(rule, facts)
+            fact_answers = (by_rule + 1 + rng.integers(0, L - 1, size=by_rule.shape)) % L
+        return Agent(rule, drifted, facts, fact_answers, family)
 
     def rule_at(self, agent: Agent, session: int) -> np.ndarray:
         return agent.drifted if session >= self.drift_session else agent.rule
 
-    def draw_inputs(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """``(count, k)`` sorted distinct feature ids per input."""
+    def draw_inputs(self, rng: np.random.Generator, count: int, k: int | None = None) -> np.ndarray:
+        """``(count, k)`` sorted distinct feature ids per input (``k`` None: the task's)."""
         keys = rng.random((count, self.num_features))
-        return np.sort(np.argsort(keys, axis=1)[:, : self.features_per_input], axis=1)
+        return np.sort(np.argsort(keys, axis=1)[:, : k or self.features_per_input], axis=1)
 
     def encode(self, inputs: np.ndarray, answers: np.ndarray) -> np.ndarray:
         """Tokens ``(..., E * event_length)`` of events: each input's feature tokens, then its
@@ -320,7 +433,7 @@ class CompanionTask:
     ) -> tuple[np.ndarray, np.ndarray]:
         """One sequence of ``agent`` in ``session``: ``(inputs (E, k), answers (E,))``; the
         agent's ``first`` sequence starts with its rare facts."""
-        inputs = self.draw_inputs(rng, self.events)
+        inputs = self.draw_inputs(rng, self.events, agent.features_per_input)
         answers = self.answers(self.rule_at(agent, session), inputs)
         if first and self.rare_facts:
             inputs[: self.rare_facts] = agent.facts
@@ -340,9 +453,13 @@ class CompanionTask:
             agents = [self.agent(r, -1 - int(index)) for r in range(batch_size)]
             step = session = 0
         drawn = [self.sequence(a, session, rng, first=step == 0) for a in agents]
-        inputs = np.stack([d[0] for d in drawn])
+        inputs = np.stack([self._padded(d[0]) for d in drawn])
         answers = np.stack([d[1] for d in drawn])
         return self.events_batch(inputs, answers, reset=step == 0)
+
+    def _padded(self, inputs: np.ndarray) -> np.ndarray:
+        """``inputs (E, k)`` left-padded with -1 to ``(E, width)``."""
+        return np.pad(inputs, [(0, 0), (self.width - inputs.shape[1], 0)], constant_values=-1)
 
     def events_batch(self, inputs: np.ndarray, answers: np.ndarray, *, reset: bool) -> Batch:
         """Tokens of ``(B, E, k)`` inputs and ``(B, E)`` answers; the answer of each event is

@@ -260,8 +260,10 @@ def test_dry_run_commands(page):
     commands = page[1].split("DRY RUN\n", 1)[1].splitlines()
     ids = [c.split("--workdir=runs/results/", 1)[1].split(" ", 1)[0] for c in commands]
     zoology = [i for i in ids if i.startswith("mqar_zoology/")]  # 3 rules x 2 x 3 lrs x 2 seeds
-    assert (len(commands) - len(zoology), len(zoology)) == (123, 36)
-    assert ids.index("companion/delta") + 1 == ids.index("frequencies/one_level/seed0")
+    assert (len(commands) - len(zoology), len(zoology)) == (125, 36)
+    assert ids.index("companion/delta") + 1 == ids.index("companion/aligned")
+    assert ids.index("companion/aligned") + 1 == ids.index("companion/mixture")
+    assert ids.index("companion/mixture") + 1 == ids.index("frequencies/one_level/seed0")
     expected = [
         "python experiments/train.py --config=configs/mqar.py:atlas "
         "--workdir=runs/results/mqar/atlas_d64 --config.model.dim=64 "
@@ -407,3 +409,28 @@ def test_zoology_section_renders_its_tables_and_figure(zoology):
 def test_zoology_section_is_empty_without_rows(tmp_path):
     section, _, rows = _zoology()
     assert section.render(rows.Runs({}, tmp_path, tmp_path)) == ""
+
+
+def test_companion_families_row(tmp_path):
+    """A study of a run trained on agent families: the variants' table gains whether each
+    family was in training and the regret saved against the baseline of least regret, and
+    the paragraph that explains both."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sections import companion
+    from sections.rows import Runs
+
+    result = _companion()
+    for name, row in result["variants"].items():
+        row["trained"] = name == "standard"
+        row["regret_best"] = "logistic"
+        row["regret_saved"] = {m: _interval(2.5) for m in ("knn", "raw_overlap", "logistic")}
+    _row(tmp_path, "companion/mixture", 70.0, files={"companion_study.json": result})
+    record = json.loads((tmp_path / "companion/mixture/row.json").read_text())
+    page = companion.render(Runs({"companion/mixture": (record, [])}, tmp_path, tmp_path))
+    table = [line for line in page.splitlines() if line.startswith("| pairs")]
+    assert table == [
+        "| pairs | 3 | pairs | held out | 50.0 [45, 54] | 50.0 [45, 54] | 50.0 [45, 54] | "
+        "50.0 [45, 54] | +10.0 [+5.0, +14.0] | +10.0 [+5.0, +14.0] (knn) | "
+        "+2.5 [+2.5, +2.5] (logistic) | +50% [+45, +54] | +50% [+45, +54] |"
+    ]
+    assert "| standard | 3 | linear | yes |" in page and "In training: whether" in page

@@ -148,8 +148,6 @@ def test_pair_rule_sums_the_votes_of_the_input_pairs():
     assert task.answers(agent.rule, x) == weights.argmax()
     assert (task.answers(agent.rule, agent.facts) != agent.fact_answers).all()
     assert np.count_nonzero(agent.rule) == 32 * 31 // 2
-    with pytest.raises(ValueError, match="rule_kind"):
-        study.VariantTask(rule_kind="xor")
 
 
 def test_variants_change_only_their_fields():
@@ -159,6 +157,11 @@ def test_variants_change_only_their_fields():
         assert task.seed == 5 + settings.agent_seed
         assert task.features_per_input == fields.get("features_per_input", 3)
         assert task.rule_kind == fields.get("rule_kind", "linear")
+        assert task.width == task.features_per_input  # unpadded: the default task's layout
+    mixed = CompanionTask(families=("k2", "pairs"), input_width=4)
+    for name in study.VARIANTS:
+        task, agents = study.held_out(mixed, settings, name)
+        assert task.families == () and task.width == 4 and agents[0].family is None
 
 
 @pytest.mark.slow

@@ -78,3 +78,67 @@ def test_bad_fields_name_the_field():
         data.CompanionTask(drift_fraction=1.5)
     with pytest.raises(ValueError, match="rare_facts"):
         data.CompanionTask(events=1, rare_facts=2)
+
+
+MIXED = data.CompanionTask(families=("k2", "k4", "pairs"), events=4, rare_facts=1)
+
+
+def test_families_draw_one_per_agent_and_pad_inputs_to_the_widest():
+    families = [MIXED.agent(r, a).family for r in range(8) for a in range(4)]
+    assert set(families) == {"k2", "k4", "pairs"}  # 32 draws of 3 families: all appear
+    assert MIXED.width == 4 and MIXED.event_length == 5 and MIXED.seq_len == 20
+    batch = MIXED.batch(0, 8)
+    for row in range(8):
+        agent = MIXED.agent(row, 0)
+        k = data.companion.FAMILIES[agent.family][0]
+        events = batch.inputs[row].reshape(4, 5)
+        assert (events[:, : 4 - k] == 0).all() and (events[:, 4 - k : 4] > 0).all()  # padded
+        inputs, answers = events[:, 4 - k : 4] - 1, events[:, 4] - 1 - MIXED.num_features
+        np.testing.assert_array_equal(inputs[0], agent.facts[0])
+        np.testing.assert_array_equal(answers[1:], MIXED.answers(agent.rule, inputs[1:]))
+        scored = batch.mask[row] > 0  # each answer predicted at the slot before it
+        np.testing.assert_array_equal(np.flatnonzero(scored), [3, 8, 13, 18])
+        np.testing.assert_array_equal(batch.targets[row][scored], events[:, 4])
+
+
+def test_a_family_left_out_never_appears_in_training_batches():
+    """Agents of the training batches (rows x agent indices) are of the listed families
+    only; a one-family task of another kind is what the study holds out."""
+    seen = {MIXED.agent(r, a).family for r in range(16) for a in range(16)}
+    assert seen == {"k2", "k4", "pairs"}
+    for index in range(0, 3 * MIXED.agent_batches, MIXED.agent_batches):
+        batch = MIXED.batch(index, 16)
+        for row in range(16):
+            agent = MIXED.agent(row, index // MIXED.agent_batches)
+            assert agent.family != "one_feature" and agent.rule.ndim == (
+                3 if agent.family == "pairs" else 2
+            )
+            assert (batch.inputs[row][batch.inputs[row] > 0] <= 1 + 32 + 8).all()
+
+
+def test_one_family_tasks_keep_the_default_agents():
+    """Families change nothing of the default task; a family's agent is the one-family
+    task's agent of the same row and index (the family draw has its own stream)."""
+    default = data.CompanionTask()
+    assert default.width == 3 and default.seq_len == 64 and default.agent(0, 0).family is None
+    k4 = data.CompanionTask(features_per_input=4, input_width=4)
+    for r in range(8):
+        agent = MIXED.agent(r, 0)
+        if agent.family == "k4":
+            np.testing.assert_array_equal(agent.rule, k4.agent(r, 0).rule)
+
+
+def test_bad_families_name_the_field():
+    with pytest.raises(ValueError, match="families"):
+        data.CompanionTask(families=("k5",))
+    with pytest.raises(ValueError, match="input_width"):
+        data.CompanionTask(families=("k4",), input_width=3)
+    with pytest.raises(ValueError, match="rule_kind"):
+        data.CompanionTask(rule_kind="xor")
+
+
+def test_queries_wider_than_the_task_stay_whole_and_narrower_ones_are_padded():
+    wide = data.CompanionTask().query_tokens(np.array([[0, 1, 2, 3]]))  # a k4 variant's query
+    np.testing.assert_array_equal(wide, [[1, 2, 3, 4]])
+    narrow = MIXED.query_tokens(np.array([[0, 1]]))
+    np.testing.assert_array_equal(narrow, [[0, 0, 1, 2]])

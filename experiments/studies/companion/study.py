@@ -50,19 +50,19 @@ available offline) and against ``logistic`` on the sentence's bag of tokens
 read the parsed feature ids: references, not text methods.
 
 **Variants** (``Settings.variants``): the same trained model and baselines on held-out agents
-whose rule differs in kind from training's (:data:`VARIANTS`, built at study time by
-:class:`VariantTask`): 2 or 4 features per input instead of 3, a rule where one feature decides
-alone, answers that depend on feature pairs. Per variant: each method's novel accuracy averaged
-over the sessions, the companion's advantage ``a_m = acc_companion - acc_m`` over each method
-(paired over agents), and the share of the standard agents' advantage that survives,
-``a_m(variant) / a_m(standard)``, each with a bootstrap interval over agents (the variants'
-agents are the standard ones' rows, so the ratio is resampled in pairs).
+whose rule differs in kind from training's (:data:`VARIANTS`: the task's ``features_per_input``
+and ``rule_kind``, :mod:`nested.data.companion`): 2 or 4 features per input instead of 3, a
+rule where one feature decides alone, answers that depend on feature pairs. Per variant: each
+method's novel accuracy averaged over the sessions, the companion's advantage
+``a_m = acc_companion - acc_m`` over each method (paired over agents), and the share of the
+standard agents' advantage that survives, ``a_m(variant) / a_m(standard)``, each with a
+bootstrap interval over agents (the variants' agents are the standard ones' rows, so the
+ratio is resampled in pairs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,7 +77,7 @@ from nested.companion.engine import Companion, agent_bytes
 from nested.companion.store import SQLiteStore
 from nested.data import CompanionTask
 from nested.data.batch import rng_for
-from nested.data.companion import Agent
+from nested.data.companion import FAMILIES, Agent
 from nested.plasticity.deployment import Deployment
 from nested.plasticity.regret import bootstrap_ci
 from studies.companion.baselines import (
@@ -113,7 +113,6 @@ VARIANTS = {
     "one_feature": {"rule_kind": "one_feature"},
     "pairs": {"rule_kind": "pairs"},
 }
-RULE_KINDS = ("linear", "one_feature", "pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,94 +130,34 @@ class Settings:
     variants: tuple[str, ...] = ("k2", "k4", "one_feature", "pairs")  # of VARIANTS
 
 
-@dataclasses.dataclass(frozen=True)
-class VariantTask(CompanionTask):
-    """The companion task with a rule of another kind, for held-out agents at study time only
-    (training never builds one; ``nested.data.companion`` is unchanged). ``rule_kind``:
-
-    * ``"linear"``: the task's own rule, ``answer(x) = argmax_c sum_{f in x} W[c, f]``;
-    * ``"one_feature"``: the task's agent with each feature's weight replaced by ``2^r_f``,
-      ``r_f`` the rank of its weight among the agent's features (votes unchanged, the drift
-      moves the same votes): ``2^r > sum_{q < r} 2^q``, so the input's feature of highest
-      rank decides alone, whatever the others vote;
-    * ``"pairs"``: every unordered pair ``f < g`` votes for a label ``c_fg`` with a weight
-      ``w_fg ~ U[0.5, 1.5]`` (drawn per agent from ``(seed, "pairs/<index>", row)``), and
-      ``answer(x) = argmax_c sum_{f < g in x} w_fg [c_fg = c]``: a rule ``(L, F, F)`` (upper
-      triangle) that no linear map of the one-hot features computes; the drift moves
-      ``drift_fraction`` of the pairs' votes.
-
-    Facts keep the task's inputs; their answers break the variant's rule (``one_feature``: the
-    task's answer, moved one label on where it equals the rule's; ``pairs``: a label drawn
-    among the others, as the task draws them).
-    """
-
-    rule_kind: str = "linear"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.rule_kind not in RULE_KINDS:
-            raise ValueError(f"rule_kind: {self.rule_kind!r}; use one of {RULE_KINDS}")
-        if self.rule_kind == "pairs" and self.features_per_input < 2:
-            raise ValueError("rule_kind='pairs' needs features_per_input >= 2")
-
-    def answers(self, rule: np.ndarray, inputs: np.ndarray) -> np.ndarray:
-        """Labels of ``inputs`` ``(..., k)``: a linear rule ``(L, F)`` as the task's, a pair
-        rule ``(L, F, F)`` summed over the input's pairs."""
-        if rule.ndim == 2:
-            return super().answers(rule, inputs)
-        i, j = np.triu_indices(inputs.shape[-1], k=1)
-        low = np.minimum(inputs[..., i], inputs[..., j])
-        high = np.maximum(inputs[..., i], inputs[..., j])
-        return np.argmax(rule[:, low, high].sum(axis=-1), axis=0)
-
-    def agent(self, row: int, index: int = 0) -> Agent:
-        return self._variant_agent(int(row), int(index))
-
-    @functools.cache  # noqa: B019 - frozen dataclass: the cache lives as long as the task
-    def _variant_agent(self, row: int, index: int) -> Agent:
-        base = super().agent(row, index)
-        L, F = self.num_labels, self.num_features
-        if self.rule_kind == "linear":
-            return base
-        if self.rule_kind == "one_feature":
-            votes, moved = base.rule.argmax(axis=0), base.drifted.argmax(axis=0)
-            decisive = 2.0 ** np.argsort(np.argsort(base.rule.max(axis=0)))
-            rule, drifted = np.zeros((L, F)), np.zeros((L, F))
-            rule[votes, np.arange(F)] = decisive
-            drifted[moved, np.arange(F)] = decisive
-            by_rule = self.answers(rule, base.facts)
-            facts = np.where(base.fact_answers == by_rule, (by_rule + 1) % L, base.fact_answers)
-            return Agent(rule, drifted, base.facts, facts)
-        rng = rng_for(self.seed, f"pairs/{index}", row)
-        low, high = np.triu_indices(F, k=1)
-        votes, weights = rng.integers(0, L, low.size), rng.uniform(0.5, 1.5, low.size)
-        moved = rng.permutation(low.size)[: round(self.drift_fraction * low.size)]
-        changed = votes.copy()
-        changed[moved] = (votes[moved] + 1 + rng.integers(0, L - 1, moved.size)) % L
-        rule, drifted = np.zeros((L, F, F)), np.zeros((L, F, F))
-        rule[votes, low, high] = weights
-        drifted[changed, low, high] = weights
-        by_rule = self.answers(rule, base.facts)
-        facts = (by_rule + 1 + rng.integers(0, L - 1, size=by_rule.shape)) % L
-        return Agent(rule, drifted, base.facts, facts)
-
-
 def held_out(base: CompanionTask, settings: Settings, variant: str = "standard"):
     """``(task, agents)``: the held-out agents of ``variant`` (:data:`VARIANTS`), rows
-    ``0 .. agents - 1`` of the training task with ``agent_seed`` added to its seed and the
-    variant's fields changed."""
+    ``0 .. agents - 1`` of the training task with ``agent_seed`` added to its seed, one family
+    (no ``families``: the task's own k and rule, the variant's fields changed) and, where the
+    training task pads its events, its ``width`` (or the variant's k if larger)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: {variant!r}; use one of {tuple(VARIANTS)}")
     fields = dataclasses.asdict(base)
-    fields.update(seed=base.seed + settings.agent_seed, **VARIANTS[variant])
-    task = VariantTask(**fields)
+    fields.update(seed=base.seed + settings.agent_seed, families=(), **VARIANTS[variant])
+    if base.families or base.input_width:  # padded events: the model's layout, or wider
+        fields["input_width"] = max(base.width, fields["features_per_input"])
+    task = CompanionTask(**fields)
     return task, [task.agent(r, 0) for r in range(settings.agents)]
 
 
 def training_agents(base: CompanionTask, count: int) -> list[Agent]:
     """Agents of the training task itself (its seed): rows ``0 .. count - 1`` of its first
-    agents, those of training batches ``0 .. sessions * session_length - 1``."""
-    return [base.agent(r, 0) for r in range(count)]
+    agents, those of training batches ``0 .. sessions * session_length - 1``; of a task with
+    ``families``, the agents those rows draw as its own one family (``features_per_input``,
+    ``rule_kind``: the same draws, a family's agent being the one-family task's)."""
+    return [one_family(base).agent(r, 0) for r in range(count)]
+
+
+def one_family(task: CompanionTask) -> CompanionTask:
+    """``task`` without ``families`` (its own k and rule), its events as wide as before."""
+    if not task.families:
+        return task
+    return dataclasses.replace(task, families=(), input_width=task.width)
 
 
 class Model:
@@ -249,8 +188,11 @@ class Model:
 
     def encode(self, inputs: np.ndarray) -> np.ndarray:
         """The frozen encoder: the mean embedding of each input's query tokens (its feature
-        tokens; on a text task, the words of ``the <features> box is``), unit norm."""
-        vectors = self.embedding[self.task.query_tokens(inputs)].mean(axis=-2)
+        tokens, padding left out; on a text task, the words of ``the <features> box is``),
+        unit norm."""
+        tokens = self.task.query_tokens(inputs)
+        real = (tokens != 0) | self.task.text  # token 0 pads a short input (text: none)
+        vectors = (self.embedding[tokens] * real[..., None]).sum(-2) / real.sum(-1, keepdims=True)
         return vectors / np.linalg.norm(vectors, axis=-1, keepdims=True)
 
 
@@ -272,7 +214,8 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
             raise ValueError(f"variants: {variant!r}; use some of {known}")
     budget = agent_bytes(companion)
     tuned = training_agents(base, settings.tune_agents)
-    lr, tried = tune_learning_rate(base, tuned, settings.lr_grid, rng_for(base.seed, "tune", 0))
+    rng = rng_for(base.seed, "tune", 0)
+    lr, tried = tune_learning_rate(one_family(base), tuned, settings.lr_grid, rng)
     model = Model(trained, base, settings.agents)
     task, agents = held_out(base, settings)
     metrics = _evaluate(model, task, agents, settings, budget, lr, progress)
@@ -283,6 +226,9 @@ def _study(trained, companion: Companion, settings: Settings, progress) -> dict[
         other, others = held_out(base, settings, variant)
         found = _evaluate(model, other, others, settings, budget, lr, progress)
         variants[variant] = _variant_row(other, found, budget, model, standard=metrics)
+    trained = {FAMILIES[f] for f in base.families} or {(base.features_per_input, base.rule_kind)}
+    for row in variants.values():  # is the variant's family among the training agents'?
+        row["trained"] = (row["task"]["features_per_input"], row["task"]["rule_kind"]) in trained
     result["variants"] = variants
     return result
 
@@ -425,22 +371,29 @@ def _survival(gained: np.ndarray, before: np.ndarray, resamples: int = 2000) -> 
 def _variant_row(task, metrics, budget, model, standard=None) -> dict[str, Any]:
     """One variant's figures: each method's novel accuracy averaged over the sessions and
     its total regret; the companion's advantage ``a_m`` over each method (per agent, then
-    bootstrapped); ``best``: the equal-bytes baseline of the highest accuracy; and, given
+    bootstrapped); ``best``: the equal-bytes baseline of the highest accuracy;
+    ``regret_saved[m]``: m's regret minus the companion's (paired, in errors), ``regret_best``
+    the equal-bytes baseline of the least regret; and, given
     the ``standard`` agents' metrics, ``survives[m] = mean a_m / mean a_m(standard)``
     (resampled in pairs of rows; None where the standard advantage is not positive)."""
     accuracy = {m: np.stack(metrics[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
+    regret = {m: np.sum(metrics[m]["regret"], axis=0) for m in METHODS}
     out = {
         "task": {
             "features_per_input": task.features_per_input,
-            "rule_kind": getattr(task, "rule_kind", "linear"),
+            "rule_kind": task.rule_kind,
         },
         "bytes": method_bytes(task, budget, model.embedding.shape[1]),
         "novel": {m: _interval(a) for m, a in accuracy.items()},
-        "regret": {m: _interval(np.sum(metrics[m]["regret"], axis=0)) for m in METHODS},
+        "regret": {m: _interval(r) for m, r in regret.items()},
         "advantage": {
             m: _interval(accuracy["companion"] - a) for m, a in accuracy.items() if m != "companion"
         },
         "best": max(EQUAL_BYTES, key=lambda m: accuracy[m].mean()),
+        "regret_best": min(EQUAL_BYTES, key=lambda m: regret[m].mean()),
+        "regret_saved": {  # errors the companion makes fewer than m (positive: it wins)
+            m: _interval(r - regret["companion"]) for m, r in regret.items() if m != "companion"
+        },
     }
     if standard is not None:
         base = {m: np.stack(standard[m]["novel"], axis=1).mean(axis=1) for m in METHODS}
@@ -534,8 +487,10 @@ def _pm(interval: dict[str, float] | None, unit: str = "") -> str:
 
 def format_variant(name: str, row: dict[str, Any]) -> str:
     """One variant's line: each method's novel accuracy over the sessions (%), the
-    companion's advantage over knn and over the best equal-bytes baseline (points), and the
-    share of it that survives from the standard agents (%)."""
+    companion's advantage over knn and over the best equal-bytes baseline (points), the
+    regret it saves against the baseline of least regret (errors), the share of the
+    advantage that survives from the standard agents (%), and whether training saw the
+    variant's family."""
     accuracy = " ".join(f"{m} {100 * v['mean']:.1f}" for m, v in row["novel"].items())
     best = row["best"]
     line = (
@@ -544,11 +499,19 @@ def format_variant(name: str, row: dict[str, Any]) -> str:
         f"{_pm(row['advantage']['knn'])}, - {best} (best at equal bytes) "
         f"{_pm(row['advantage'][best])}"
     )
+    if "regret_saved" in row:
+        saved = row["regret_saved"][row["regret_best"]]
+        line += (
+            f"; regret {row['regret_best']} - companion {saved['mean']:+.1f} "
+            f"[{saved['low']:+.1f}, {saved['high']:+.1f}] errors"
+        )
     if "survives" in row:
         line += (
             f"; survives vs knn {_pm(row['survives']['knn'], '%')}, vs {best} "
             f"{_pm(row['survives'][best], '%')}"
         )
+    if "trained" in row:
+        line += "; a training family" if row["trained"] else "; held out of training"
     return line
 
 
