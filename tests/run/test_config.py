@@ -38,14 +38,22 @@ CONTINUAL_MODELS += ["three_level", "two_level"]
 CONTINUAL_MODELS += [f"{kind}_1_{c}" for kind in ("periods", "consolidate") for c in (8, 32, 128)]
 
 
+ZOOLOGY = ", each also as zoology-<variant>"  # configs/mqar.py: Zoology's settings
+
+
 @pytest.mark.parametrize(
-    ("name", "others"), [("mqar", ["hope"]), ("niah", []), ("continual", CONTINUAL_MODELS)]
+    ("name", "others", "tail"),
+    [
+        ("mqar", ["attention", "hope"], ZOOLOGY),
+        ("niah", [], ""),
+        ("continual", CONTINUAL_MODELS, ""),
+    ],
 )
-def test_unknown_variant_names_the_registered_rules(name, others):
+def test_unknown_variant_names_the_registered_rules(name, others, tail):
     with pytest.raises(nc.ConfigError) as info:
         nc.load(f"{tiny_configs.path(name)}:detla")
     allowed = sorted({*recipes.RULES, *others})
-    assert str(info.value) == f"variant 'detla' is unknown; allowed variants: {allowed}"
+    assert str(info.value) == f"variant 'detla' is unknown; allowed variants: {allowed}{tail}"
 
 
 @pytest.mark.parametrize("rule", sorted(recipes.RULES))
