@@ -67,6 +67,7 @@ def assert_same_recall(a, b):
     np.testing.assert_allclose(a["readout"], b["readout"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_stdio_tools_take_ids_or_text_and_refuse_in_the_error_shape(workdir, tmp_path):  # noqa: F811
     """Spawned by the SDK's stdio client: the tools and their schemas, text and ids answering
     alike, every bad argument a tool error naming the field, nothing written by one."""

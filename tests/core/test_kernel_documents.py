@@ -129,7 +129,7 @@ ATLAS = next(kernel for kernel in DOCUMENTS if kernel.name == "atlas")
 SLOW = {(NEURAL.name, i) for i in range(1, len(NEURAL.examples()))}
 SLOW |= {("gdn2", 1), ("falcon", 0), ("delta_rule", 1)}
 SLOW |= {("gated_delta_rule", i) for i in range(2)}  # the delta rule's machinery, gated
-SLOW |= {("atlas", i) for i in range(1, 4)}  # Muon's segments, the online rule's window rows
+SLOW |= {("atlas", i) for i in range(4)}  # Muon's segments, the online rule's window rows
 EXAMPLES = [
     pytest.param(
         kernel,
