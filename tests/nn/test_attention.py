@@ -153,6 +153,7 @@ def l2n(a):
     return a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)
 
 
+@pytest.mark.slow
 def test_memory_as_context_equals_its_per_segment_definition_values_and_gradients():
     """11 tokens in segments of 4 (the last one shorter), the Titans memory in chunks of 2."""
     mixer = mac()

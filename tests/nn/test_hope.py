@@ -101,7 +101,8 @@ def test_hope_lm_trains():
 DOCUMENTS = ((5, 9), (4, 2, 8), (3, 7, 4))
 
 
-@pytest.mark.parametrize("conv", [4, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("conv", [4, 0])
 def test_packed_documents_off_the_chunk_grid_run_as_if_alone(conv):
     """A packed row equals its documents run alone, each from the initial state: outputs,
     the row's final state (the last document's, its unfinished period applied) and gradients

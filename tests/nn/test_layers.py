@@ -50,6 +50,7 @@ def test_key_shift_writes_the_previous_key_with_the_current_value():
     np.testing.assert_allclose(ctx.v, ref.v)
 
 
+@pytest.mark.slow
 def test_turns_read_the_snapshot_from_the_start_of_the_turn():
     level = nl.recipes.delta(d_k=4, d_v=4)
     keys = jax.random.split(jax.random.key(0), 4)

@@ -100,6 +100,7 @@ def test_sampling_continues_a_char_lm_prompt_deterministically_under_a_seed(trai
     chex.assert_trees_all_close(first.fast, fast, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sampling_draws_only_ids_below_vocab(trained):
     """``vocab``: a tokenizer smaller than the model's vocabulary; greedy picks the argmax of
     the first ``vocab`` logits, where the model's own argmax lies past them."""
