@@ -125,11 +125,16 @@ def interval(values: Sequence[float]) -> tuple[float, float | None]:
     return mean, float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n))
 
 
+def _pct(value: float) -> str:
+    """A percentage to a hundredth: chance, one value of 4096, is 0.02%."""
+    return f"{100 * value:.2f}"
+
+
 def _shown(mean: float, half: float | None) -> str:
     if half is None:
-        return text.pct(mean)
+        return _pct(mean)
     low, high = max(mean - half, 0.0), min(mean + half, 1.0)
-    return f"{text.pct(mean)} [{text.pct(low)}, {text.pct(high)}]"
+    return f"{_pct(mean)} [{_pct(low)}, {_pct(high)}]"
 
 
 def _points(sweep: dict, best: dict) -> dict[tuple[str, int], dict]:
@@ -152,7 +157,7 @@ def best_table(points: dict) -> list[str]:
     for (rule, dim), point in points.items():
         walls = [record["wall_s"] for record, _ in point["seeds"]]
         cells = [rule, str(dim), f"{point['lr']:g}", str(len(point["seeds"]))]
-        cells += [text.pct(point["splits"][s][0]) for s in splits]
+        cells += [_pct(point["splits"][s][0]) for s in splits]
         cells += [_shown(*point["mean"]), f"{np.mean(walls):.0f} s"]
         lines.append(text.row([*cells, text.cmd(point["seeds"][0][0])]))
     return lines
@@ -168,7 +173,7 @@ def sweep_table(sweep: dict, best: dict) -> list[str]:
             if result is None or _failed(result):
                 cells.append("not run" if result is None else _failed(result))
             else:
-                mean = text.pct(_mean(result))
+                mean = _pct(_mean(result))
                 cells.append(f"**{mean}**" if best.get(key) == lr else mean)
         lines.append(text.row([key[0], str(key[1]), *cells]))
     return lines

@@ -375,11 +375,12 @@ def test_zoology_section_renders_its_tables_and_figure(zoology):
     assert lines[0] == "## MQAR at Zoology's settings"
     # delta d64 at 0.003: two seeds; mean of (0.6, 0.58) +- t(0.975, 1) * 0.01414 / sqrt(2)
     command = "`python train mqar_zoology/delta_d64_lr0.003/seed0`"
-    row = f"| delta | 64 | 0.003 | 2 | 75.0 | 60.0 | 42.0 | 59.0 [46.3, 71.7] | 100 s | {command} |"
+    row = "| delta | 64 | 0.003 | 2 | 75.00 | 60.00 | 42.00 | 59.00 [46.29, 71.71] | 100 s |"
+    row += f" {command} |"
     assert row in lines
-    assert "| attention | 64 | 0.001 | 1 | 90.0 | 90.0 | 90.0 | 90.0 | 100 s |" in markdown
-    assert "| delta | 64 | 20.0 | **60.0** | **failed**: error: boom |" in lines
-    assert "| attention | 128 | not run | **95.0** | not run |" in lines
+    assert "| attention | 64 | 0.001 | 1 | 90.00 | 90.00 | 90.00 | 90.00 | 100 s |" in markdown
+    assert "| delta | 64 | 20.00 | **60.00** | **failed**: error: boom |" in lines
+    assert "| attention | 128 | not run | **95.00** | not run |" in lines
     missing = markdown.split("Rows not run", 1)[1].split("\n", 1)[0]
     assert "`gated_delta_d128_lr0.01/seed0`" in missing  # of the sweep
     assert "`attention_d64_lr0.001/seed1`" in missing  # a seed at a best learning rate
