@@ -3,8 +3,8 @@
 
 * the request models, :class:`Observation` (``tokens`` or ``text``) and :class:`Queries`
   (``queries`` or ``text``): token ids are strict integers (``1.0``, ``"1"`` and ``true`` are
-  not), at most :data:`~nested.companion.engine.MAX_TOKENS` an observe and
-  :data:`~nested.companion.engine.MAX_QUERIES` queries a recall; their JSON schemas are the
+  not), at most :data:`~nested.companion.inputs.MAX_TOKENS` an observe and
+  :data:`~nested.companion.inputs.MAX_QUERIES` queries a recall; their JSON schemas are the
   OpenAPI bodies and the MCP tools' input schemas;
 * :func:`observation` and :func:`queries`: a validated request as the engine's token ids, text
   encoded with the companion's tokenizer, held to the limits in tokens;
@@ -22,13 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr
 
-from nested.companion.engine import (
-    MAX_QUERIES,
-    MAX_QUERY_TOKENS,
-    MAX_TOKENS,
-    Companion,
-    CompanionError,
-)
+from nested.companion.engine import Companion
+from nested.companion.inputs import MAX_QUERIES, MAX_QUERY_TOKENS, MAX_TOKENS, CompanionError
 
 MAX_BODY = 1 << 20  # bytes of a request body
 

@@ -40,13 +40,8 @@ from mcp.server.stdio import stdio_server
 from pydantic import ValidationError
 
 from nested.companion import checks
-from nested.companion.engine import (
-    MAX_QUERIES,
-    MAX_QUERY_TOKENS,
-    MAX_TOKENS,
-    Companion,
-    check_agent_id,
-)
+from nested.companion.engine import Companion
+from nested.companion.inputs import MAX_QUERIES, MAX_QUERY_TOKENS, MAX_TOKENS, check_agent_id
 from nested.companion.server import ALONE, Batcher, Gate, health_report
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}

@@ -17,27 +17,17 @@ from nested.data import corpus
 
 
 def run_tokenizer(task, vocab: int, given: str | None = None) -> corpus.Tokenizer | None:
-    """The tokenizer a companion takes text with: ``given`` ``"bytes"`` or the path of a
-    ``tokenizer.json``; None: the run's ``task``'s own (``task.text_tokenizer()``: a prepared
-    corpus's, a text companion task's), or None when it has none. A :class:`CompanionError`
-    names ``--tokenizer`` when it cannot be read or its ids exceed the model's ``vocab``."""
+    """The tokenizer a companion takes text with (:func:`nested.data.corpus.run_tokenizer`:
+    ``given`` ``"bytes"`` or a ``tokenizer.json``; None: the run's ``task``'s own, or None); a
+    :class:`CompanionError` naming ``--tokenizer`` when it cannot be read or is too large."""
     where = f"--tokenizer={given}" if given else f"the run's task ({task.name}) tokenizer"
     try:
-        if given == "bytes":
-            tokenizer = corpus.bytes_tokenizer()
-        elif given is not None:
-            tokenizer = corpus.load_tokenizer(given)
-        else:
-            own = getattr(task, "text_tokenizer", None)
-            tokenizer = None if own is None else own()
-    except ValueError as error:  # corpus.PrepareError (naming --tokenizer), a task's error
-        raise CompanionError(str(error) if given else f"{where}: {error}") from None
-    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        return corpus.run_tokenizer(task, vocab, given)
+    except ValueError as error:  # corpus.PrepareError, a task's own error
         raise CompanionError(
-            f"{where}: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
-            f"({vocab}); pass the tokenizer the run trained with"
-        )
-    return tokenizer
+            f"{where}: {error}; serve with --tokenizer=bytes or the tokenizer.json the run "
+            "trained with"
+        ) from None
 
 
 def encode_text(

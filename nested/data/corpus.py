@@ -340,6 +340,30 @@ def prepared_tokenizer(folder: str | Path, index: dict) -> Tokenizer:
     return _hf_tokenizer(tok["kind"], hf, hf.id_to_token(tok["eos_id"]), str(file))
 
 
+def run_tokenizer(task, vocab: int, given: str | None = None) -> Tokenizer | None:
+    """The tokenizer text is encoded with for a run of ``task`` whose model has ``vocab`` ids:
+    ``given`` ``"bytes"`` or the path of a ``tokenizer.json`` (held to the task's
+    ``tokenizer_sha256`` where it names one); None: the task's own (``task.text_tokenizer()``:
+    a prepared corpus's, a text companion task's), or None for a task without one. Raises a
+    ``ValueError`` (:class:`PrepareError` or the task's) when it cannot be read, is not the
+    run's, or has more ids than ``vocab``; callers add the flag and the fix to its message."""
+    if given == "bytes":
+        tokenizer = bytes_tokenizer()
+    elif given is not None:
+        tokenizer = load_tokenizer(given)
+        sha = getattr(task, "tokenizer_sha256", None)
+        if sha is not None and sha256_file(Path(given)) != sha:
+            raise PrepareError(f"not the tokenizer.json of sha256={sha} the run trained with")
+    else:
+        own = getattr(task, "text_tokenizer", None)
+        tokenizer = None if own is None else own()
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        raise PrepareError(
+            f"its vocabulary ({tokenizer.vocab_size}) is larger than the model's ({vocab})"
+        )
+    return tokenizer
+
+
 # ----------------------------------------------------------------------------- writing
 
 

@@ -91,32 +91,21 @@ def _count(name: str, value: Any, low: int = 1, where: str = "model_args") -> in
 
 
 def run_tokenizer(experiment: Experiment, tokenizer: str | None = None) -> corpus.Tokenizer:
-    """The tokenizer of the run's corpus (``task.path``: its ``tokenizer.json``, checked against
-    its index, or bytes), or ``tokenizer``: ``"bytes"`` or the path of a ``tokenizer.json``.
-    :class:`ConfigError` when it is unreadable, is not the ``task.tokenizer_sha256`` the run
-    names, or its vocabulary exceeds the model's."""
-    task, vocab = experiment.task, experiment.program.vocab
+    """The tokenizer of the run's corpus, or ``tokenizer``: ``"bytes"`` or the path of a
+    ``tokenizer.json`` (:func:`nested.data.corpus.run_tokenizer`); :class:`ConfigError` naming
+    ``model_args`` when there is none, it is unreadable, not the run's, or too large."""
+    task = experiment.task
+    where = f"tokenizer={tokenizer}" if tokenizer else f"the run's task ({task.name}) tokenizer"
+    fix = (
+        "pass model_args tokenizer=bytes or tokenizer=<the tokenizer.json the run's corpus was "
+        "prepared with>"
+    )
     try:
-        if tokenizer == "bytes":
-            out = corpus.bytes_tokenizer()
-        elif tokenizer is not None:
-            out = corpus.load_tokenizer(tokenizer)
-            sha = task.tokenizer_sha256
-            if sha is not None and corpus.sha256_file(Path(tokenizer)) != sha:
-                raise ValueError(f"not the tokenizer.json of sha256={sha} the run trained with")
-        else:
-            out = corpus.prepared_tokenizer(task.path, task.index)
-    except (corpus.PrepareError, ValueError) as error:
-        where = f"tokenizer={tokenizer}" if tokenizer else f"the run's task.path={task.path}"
-        raise ConfigError(
-            f"model_args {where}: {error}; pass model_args tokenizer=bytes or "
-            "tokenizer=<the tokenizer.json the run's corpus was prepared with>"
-        ) from None
-    if out.vocab_size > vocab:
-        raise ConfigError(
-            f"model_args tokenizer: its vocabulary ({out.vocab_size}) is larger than the "
-            f"model's ({vocab}); pass the tokenizer the run's corpus was prepared with"
-        )
+        out = corpus.run_tokenizer(task, experiment.program.vocab, tokenizer)
+    except ValueError as error:
+        raise ConfigError(f"model_args {where}: {error}; {fix}") from None
+    if out is None:
+        raise ConfigError(f"model_args {where}: the run's task has none; {fix}")
     return out
 
 
