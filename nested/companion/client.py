@@ -26,12 +26,10 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import httpx2
-import mcp
-from mcp.client.stdio import StdioServerParameters, stdio_client
-from mcp.client.streamable_http import streamable_http_client
+if TYPE_CHECKING:  # the MCP SDK is imported by mcp_session only: ~0.9 s the HTTP client skips
+    import mcp
 
 SERVE = Path(__file__).resolve().parents[2] / "experiments" / "serve.py"
 
@@ -125,6 +123,11 @@ async def mcp_session(
     inherits this process's environment) and ended with the session."""
     if (url is None) == (workdir is None) or (workdir is not None and agent is None):
         raise ValueError("mcp_session: give url (streamable HTTP) or workdir and agent (stdio)")
+    import httpx2
+    import mcp
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+
     async with contextlib.AsyncExitStack() as stack:
         if url is not None:
             headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
