@@ -301,6 +301,7 @@ def test_memory_as_context_restarts_at_document_starts_on_segment_boundaries(gri
     compare_model(prog, ((4, 8), (8, 4)))
 
 
+@pytest.mark.slow
 def test_a_program_declared_on_a_grid_runs_documents_alone_and_refuses_others(monkeypatch):
     """``document_grid=4``: CMS spans of 4 and a delta rule of 4-token chunks see starts only
     at their first tokens (the model runs without ids, the op without segments), exact; a

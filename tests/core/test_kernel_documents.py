@@ -126,7 +126,7 @@ DOCUMENTS = [kernel for kernel in kernels.KERNELS if kernel.documents]
 # keeps the first example of every kernel, and the delta rule's chunk-boundary cases).
 NEURAL = next(kernel for kernel in DOCUMENTS if kernel.name == "neural_gradient_descent")
 ATLAS = next(kernel for kernel in DOCUMENTS if kernel.name == "atlas")
-SLOW = {(NEURAL.name, i) for i in range(1, len(NEURAL.examples()))}
+SLOW = {(NEURAL.name, i) for i in range(len(NEURAL.examples()))}
 SLOW |= {("gdn2", 1), ("falcon", 0), ("delta_rule", 1)}
 SLOW |= {("gated_delta_rule", i) for i in range(2)}  # the delta rule's machinery, gated
 SLOW |= {("atlas", i) for i in range(4)}  # Muon's segments, the online rule's window rows

@@ -101,7 +101,8 @@ def test_heads_at_one_level_split_into_groups_equal_the_one_level_layer():
     assert [s.level for s in states] == ["fast", "twin"]
 
 
-@pytest.mark.parametrize("lr", [pytest.param(None, marks=pytest.mark.slow), 0.3])
+@pytest.mark.slow
+@pytest.mark.parametrize("lr", [None, 0.3])
 def test_a_slow_head_runs_its_own_level_on_its_heads(lr):
     """Head 0 per token, head 1 accumulated over 4 tokens, with the gate beta_t or a fixed
     step size: each head's reads are the plain per-token loops of ``test_inner.reference`` on

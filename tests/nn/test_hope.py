@@ -24,6 +24,7 @@ def x_of(T, seed=0):
     return jax.random.normal(jax.random.key(seed), (2, T, DIM), jnp.float32)
 
 
+@pytest.mark.slow
 def test_projections_change_once_per_chunk_by_the_self_generated_regression():
     layer = make_layer(conv=0, lr_scale=1.0)  # v_t = P_v x_t exactly; steps in (0, 1)
     x = x_of(C)

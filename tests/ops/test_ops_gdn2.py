@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import reference_linear as ref
 from helpers.reference_linear import make_inputs
 
@@ -21,6 +22,7 @@ def reference(a):
 NAMES = ("q", "k", "v", "erase", "write", "log_decay", "state")
 
 
+@pytest.mark.slow
 def test_values_and_gradients_match_reference():
     ref.check_against_reference(op, reference, NAMES)
 
