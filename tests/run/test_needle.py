@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_configs
 from helpers.lm import fake_run, lm_config
 
 from nested.data import corpus
@@ -218,10 +217,11 @@ def test_metrics_count_the_answers_that_contain_the_value(tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_eval_lm_scores_the_needle_tasks_of_a_trained_workdir(folders, tmp_path_factory):
+def test_eval_lm_scores_the_needle_tasks_of_a_trained_workdir(
+    folders, tmp_path_factory, compilation_cache
+):
     workdir = tmp_path_factory.mktemp("needle_run") / "run"
-    with tiny_configs.compilation_cache(tmp_path_factory):
-        train.train_and_evaluate(lm_config(folders["bytes"]), workdir)
+    train.train_and_evaluate(lm_config(folders["bytes"]), workdir)
     result = lm_eval.evaluate_lm(
         workdir,
         max_len=32,
