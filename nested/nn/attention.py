@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested.core import inner
+from nested.nn.layers import dense
 from nested.ops import loops
 
 
@@ -216,8 +217,8 @@ class SlidingWindowAttention(nnx.Module):
         if window is not None and window < 1:
             raise ValueError(f"attention: window={window} must be a positive number of tokens")
         self.heads, self.window, self.head_dim = heads, window, dim // heads
-        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.qkv = dense(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.out = dense(dim, dim, use_bias=False, rngs=rngs)
 
     def initial_state(self, batch_size: int) -> dict:
         return initial_cache(batch_size, self.window, self.heads, self.head_dim)

@@ -40,7 +40,7 @@ from flax import nnx
 
 from nested.core import inner, probes
 from nested.core.level import InitialState, Level
-from nested.nn.layers import ShortConv, initial_memories, l2_normalize, per_sequence
+from nested.nn.layers import ShortConv, dense, initial_memories, l2_normalize, per_sequence
 from nested.ops import documents, loops
 
 
@@ -85,7 +85,7 @@ class SelfModifyingLayer(nnx.Module):
             )
         self.level, self.projections = level, projections
         self.heads = heads
-        linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, rngs=rngs, **kw)
+        linear = lambda n_in, n_out, **kw: dense(n_in, n_out, rngs=rngs, **kw)
         self.gates = nnx.Dict(
             {
                 name: linear(dim, heads, bias_init=nnx.initializers.constant(gate.bias()))

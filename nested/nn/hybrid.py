@@ -44,7 +44,7 @@ from nested.nn.attention import (
     initial_cache,
     rotary,
 )
-from nested.nn.layers import MemoryLayer, initial_memories, l2_normalize, per_sequence
+from nested.nn.layers import MemoryLayer, dense, initial_memories, l2_normalize, per_sequence
 from nested.ops import documents
 
 
@@ -135,7 +135,7 @@ class MemoryAsContext(nnx.Module):
             raise ValueError(f"memory as context: persistent={persistent!r} must be an int >= 0")
         self.window = window
         self.memory = MemoryLayer(level, dim=dim, heads=heads, rngs=rngs, **memory_kwargs)
-        self.query = nnx.Linear(dim, heads * level.memory.d_k, use_bias=False, rngs=rngs)
+        self.query = dense(dim, heads * level.memory.d_k, use_bias=False, rngs=rngs)
         self.attention = SlidingWindowAttention(dim=dim, heads=heads, window=None, rngs=rngs)
         tokens = jax.random.normal(rngs.params(), (persistent, dim), jnp.float32)
         self.persistent = nnx.Param(tokens * 0.02)
@@ -226,17 +226,15 @@ class AdaTransformerMixer(nnx.Module):
                 f"{dim / heads:g}, got d_k={level.memory.d_k}, d_v={level.memory.d_v}"
             )
         self.level, self.heads, self.window = level, heads, window
-        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.qkv = dense(dim, 3 * dim, use_bias=False, rngs=rngs)
         self.gates = nnx.Dict(
             {
-                name: nnx.Linear(
-                    dim, heads, rngs=rngs, bias_init=nnx.initializers.constant(gate.bias())
-                )
+                name: dense(dim, heads, rngs=rngs, bias_init=nnx.initializers.constant(gate.bias()))
                 for name, gate in level.gates.items()
             }
         )
         self.initial_params = initial_memories(level.memory, rngs.params(), heads)
-        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.out = dense(dim, dim, use_bias=False, rngs=rngs)
 
     def initial_state(self, batch_size: int) -> dict:
         params = per_sequence(self.initial_params.get_value(), batch_size)

@@ -24,6 +24,15 @@ from nested.core.level import InitialState, Level, LevelState
 from nested.ops import functions
 
 
+def dense(in_features: int, out_features: int, *, rngs: nnx.Rngs, **kwargs) -> nnx.Linear:
+    """``nnx.Linear`` with its product's gradients written out (``dx = g W^T``, ``dW = x^T g``:
+    :func:`nested.ops.functions.dense_dot_general`, the same numbers, faster on XLA:CPU); the
+    dense layer of every nested model."""
+    return nnx.Linear(
+        in_features, out_features, dot_general=functions.dense_dot_general, rngs=rngs, **kwargs
+    )
+
+
 class ShortConv(nnx.Module):
     """Depthwise causal convolution over time, ``y_t = silu(sum_i w_i * x_{t-i})``.
 
@@ -145,7 +154,7 @@ class MemoryLayer(nnx.Module):
         self.write_gate = write_gate
         d_k, d_v = level.memory.d_k, level.memory.d_v
         memories = heads * experts
-        linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, rngs=rngs, **kw)
+        linear = lambda n_in, n_out, **kw: dense(n_in, n_out, rngs=rngs, **kw)
         self.qkv = linear(dim, heads * (2 * d_k + d_v), use_bias=False)
         self.conv = ShortConv(heads * (2 * d_k + d_v), conv, rngs=rngs) if conv > 1 else None
         self.gates = nnx.Dict(

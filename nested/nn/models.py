@@ -21,16 +21,16 @@ from nested.nn.cms import ContinuumMemory
 from nested.nn.frequencies import MultiFrequencyMemory
 from nested.nn.hope import SelfModifyingLayer
 from nested.nn.hybrid import AdaTransformerMixer, MemoryAsContext, MemoryAsGate, MemoryAsLayer
-from nested.nn.layers import MemoryLayer
+from nested.nn.layers import MemoryLayer, dense
 
 
 class MLPBlock(nnx.Module):
     """Position-wise SwiGLU feed-forward block, ``W_d (silu(W_g x) * W_u x)``."""
 
     def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-        self.gate = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+        self.gate = dense(dim, hidden, use_bias=False, rngs=rngs)
+        self.up = dense(dim, hidden, use_bias=False, rngs=rngs)
+        self.down = dense(hidden, dim, use_bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("mlp"):
@@ -238,7 +238,7 @@ class MemoryLM(nnx.Module):
             ]
         )
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
-        self.head = nnx.Linear(dim, padded, use_bias=False, rngs=rngs)
+        self.head = dense(dim, padded, use_bias=False, rngs=rngs)
 
     def initial_fast(self, batch_size: int):
         return tuple(block.initial_state(batch_size) for block in self.blocks)

@@ -1,10 +1,11 @@
 """The pure functions memories and rules are made of, beneath every layer of nested.
 
-Activations, the MLP memory network ``f(x) = L_depth(act(... act(L_1 x)))`` (or ``x + LN(f(x))``),
-ATLAS's polynomial feature map, Muon's Newton-Schulz orthogonalisation, and the broadcast of a
-state to every sequence of a batch. The declarations
-(:mod:`nested.learn.memories`, :mod:`nested.learn.rules`) and the kernels (:mod:`nested.ops`)
-both compute with these, so a kernel and the definition it is proven against share one copy.
+Products of rows with a weight matrix (:func:`rows_times`), activations, the MLP memory network
+``f(x) = L_depth(act(... act(L_1 x)))`` (or ``x + LN(f(x))``), ATLAS's polynomial feature map,
+Muon's Newton-Schulz orthogonalisation, and the broadcast of a state to every sequence of a
+batch. The declarations (:mod:`nested.learn.memories`, :mod:`nested.learn.rules`) and the
+kernels (:mod:`nested.ops`) both compute with these, so a kernel and the definition it is
+proven against share one copy.
 """
 
 from __future__ import annotations
@@ -46,6 +47,74 @@ def _broadcast_rows_bwd(n, _, cotangent):
 
 
 _broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
+
+
+def rows_times(x, kernel, *, precision=None, preferred_element_type=None):
+    """``x (..., n_in) @ kernel (n_in, n_out)`` with the gradients written out in the operands'
+    own layouts, ``dx = g W^T`` and ``dW = x^T g`` (``g`` the cotangent of the output,
+    contracted over every leading dim): the product's values and gradients. Why: JAX's
+    transpose of the product forms ``dW^T = g^T x`` and transposes it; XLA:CPU folds that
+    transpose into the fusion producing ``g`` (an activation's derivative, a convolution's
+    taps, the softmax), a strided loop several times slower than the products themselves
+    (benchmarks/README.md, ``lm_profile``: a step's time by part)."""
+    return _rows_times(x, kernel, precision, preferred_element_type)
+
+
+def _product(x, kernel, precision, preferred_element_type):
+    return jax.lax.dot_general(
+        x,
+        kernel,
+        (((x.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rows_times(x, kernel, precision, preferred_element_type):
+    return _product(x, kernel, precision, preferred_element_type)
+
+
+def _rows_times_fwd(x, kernel, precision, preferred_element_type):
+    return _product(x, kernel, precision, preferred_element_type), (x, kernel)
+
+
+def _rows_times_bwd(precision, preferred_element_type, residuals, g):
+    x, kernel = residuals
+    lead = tuple(range(x.ndim - 1))
+    dx = jax.lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())), precision=precision)
+    dkernel = jax.lax.dot_general(x, g, ((lead, lead), ((), ())), precision=precision)
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+_rows_times.defvjp(_rows_times_fwd, _rows_times_bwd)
+
+
+def dense_dot_general(
+    x, kernel, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None
+):
+    """``lax.dot_general`` for ``nnx.Linear(dot_general=...)``: its product ``x @ W`` is
+    :func:`rows_times`'s (the same values and gradients, faster on XLA:CPU); other contractions,
+    and products with an output sharding, are ``lax.dot_general``'s."""
+    contract, batch = dimension_numbers
+    if (
+        batch == ((), ())
+        and tuple(map(tuple, contract)) == ((x.ndim - 1,), (0,))
+        and kernel.ndim == 2
+        and out_sharding is None
+    ):
+        return rows_times(
+            x, kernel, precision=precision, preferred_element_type=preferred_element_type
+        )
+    return jax.lax.dot_general(
+        x,
+        kernel,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,

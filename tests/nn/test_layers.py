@@ -9,7 +9,8 @@ from flax import nnx
 
 import nested as nl
 from nested.core import inner
-from nested.nn.layers import MemoryLayer, per_sequence
+from nested.nn.layers import MemoryLayer, dense, per_sequence
+from nested.ops import functions
 
 DIM, HEADS = 8, 2
 
@@ -125,3 +126,44 @@ def test_per_sequence_broadcast_has_the_gradients_of_broadcast_to():
     for derivative in (first, second):
         got, want = derivative(ours)(theta)["w"], derivative(plain)(theta)["w"]
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16])
+def test_dense_layers_have_the_values_and_gradients_of_nnx_linear(dtype):
+    """``dense`` writes its product's gradients out (nested.ops.functions.dense_dot_general):
+    values, first and second derivatives (in the input and the kernel) equal nnx.Linear's with
+    lax.dot_general, on a batch of (2, 3) rows and a bias."""
+    x = jax.random.normal(jax.random.key(1), (2, 3, 5))
+    weights = jax.random.normal(jax.random.key(2), (2, 3, 7))
+    layers = {
+        "ours": dense(5, 7, dtype=dtype, rngs=nnx.Rngs(0)),
+        "plain": nnx.Linear(5, 7, dtype=dtype, rngs=nnx.Rngs(0)),
+    }
+    graphdefs, states = zip(*(nnx.split(layer) for layer in layers.values()), strict=True)
+
+    def loss(which, state, x):
+        layer = nnx.merge(graphdefs[which], state)
+        return jnp.sum(jnp.tanh(layer(x)).astype(jnp.float64) * weights)
+
+    first = lambda which: jax.grad(lambda s, x: loss(which, s, x), argnums=(0, 1))
+    squares = lambda tree: sum(jnp.sum(g.astype(jnp.float64) ** 2) for g in jax.tree.leaves(tree))
+    second = lambda which: jax.grad(lambda s, x: squares(first(which)(s, x)), argnums=(0, 1))
+    tolerance = 1e-12 if dtype == jnp.float64 else 2e-2
+    ours, plain = layers.values()
+    assert ours.dot_general is functions.dense_dot_general
+    assert ours(x).dtype == plain(x).dtype == dtype
+    np.testing.assert_allclose(ours(x), plain(x), rtol=tolerance, atol=tolerance)
+    for derivative in (first, second):
+        got, want = derivative(0)(states[0], x), derivative(1)(states[1], x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(
+                a.astype(jnp.float64), b.astype(jnp.float64), rtol=tolerance, atol=tolerance
+            )
+
+
+def test_dense_dot_general_leaves_other_contractions_to_lax():
+    a, b = jnp.ones((3, 4, 5)), jnp.arange(60.0).reshape(3, 5, 4)
+    numbers = (((2,), (1,)), ((0,), (0,)))  # a batched product: not a dense layer's
+    got = functions.dense_dot_general(a, b, numbers)
+    np.testing.assert_array_equal(got, jax.lax.dot_general(a, b, numbers))
